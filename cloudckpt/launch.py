@@ -1,0 +1,153 @@
+"""Run a function on N local CPU ranks joined in a gloo process group.
+
+Used by ``cloudckpt demo`` and by the multi-rank tests. Ranks are real processes
+(``spawn`` start method), rendezvous goes through a file store in a temporary
+directory (no port races), and a failure on any rank is reported with that rank's
+traceback.
+
+Two entry points:
+
+* :func:`run_on_ranks` starts a group, runs one function on every rank, stops it.
+* :class:`RankPool` keeps a group alive and runs many functions on it, which saves
+  the start-up cost (importing torch, rendezvous) when many scenarios run in a row.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cloudckpt.errors import DistributedCheckpointError
+
+logger = logging.getLogger(__name__)
+
+_STOP = "__stop__"
+
+
+def _init_group(rank: int, world_size: int, store_file: str) -> None:
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group(
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size
+    )
+
+
+def _worker(
+    rank: int, world_size: int, store_file: str, tasks: Any, results: Any
+) -> None:
+    """Rank main loop: take (fn, args) tasks until told to stop; report each outcome."""
+    import torch.distributed as torch_dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _init_group(rank, world_size, store_file)
+    try:
+        while True:
+            task = tasks.get()
+            if task == _STOP:
+                break
+            fn, args = task
+            try:
+                results.put((rank, True, fn(rank, world_size, *args)))
+            except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+class RankPool:
+    """A persistent group of ``world_size`` gloo ranks that runs functions on demand.
+
+    Args:
+        world_size: number of rank processes.
+        timeout_s: seconds to wait for all ranks to finish one function.
+
+    Functions passed to :meth:`run` must be picklable (module-level) and take
+    ``(rank, world_size, *args)``. A pool whose ranks time out is unusable; close it.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="cloudckpt-rdzv-")
+        store_file = os.path.join(self._tmp.name, "store")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, store_file, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; return results by rank.
+
+        Raises:
+            DistributedCheckpointError: a rank raised (its traceback is in the message
+                and in ``failures``) or did not finish within ``timeout_s``.
+        """
+        for q in self._tasks:
+            q.put((fn, args))
+        outcomes = self._collect()
+        failures = {r: out for r, (ok, out) in outcomes.items() if not ok}
+        if failures:
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise DistributedCheckpointError(
+                f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(failures)}:\n{detail}",
+                failures,
+            )
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def _collect(self) -> dict[int, tuple[bool, Any]]:
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        while len(outcomes) < self.world_size:
+            try:
+                rank, ok, payload = self._results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                raise DistributedCheckpointError(
+                    f"ranks {missing} did not finish within {self.timeout_s:.0f} s",
+                    {r: "timeout" for r in missing},
+                ) from None
+            outcomes[rank] = (ok, payload)
+        return outcomes
+
+    def close(self) -> None:
+        """Stop the ranks (forcefully if they do not stop within a few seconds)."""
+        for q in self._tasks:
+            q.put(_STOP)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout_s: float = 600.0
+) -> list[Any]:
+    """Start ``world_size`` gloo ranks, run ``fn(rank, world_size, *args)`` on each, stop them.
+
+    Returns:
+        The return values, indexed by rank.
+    """
+    with RankPool(world_size, timeout_s=timeout_s) as pool:
+        return pool.run(fn, *args)
