@@ -1,0 +1,258 @@
+"""Sharding integrity checks and strict-load handling (pure functions, no I/O).
+
+:func:`validate_sharding_integrity` takes the sharding metadata of every rank (the
+``without_data()`` copies gathered from all ranks) and checks, per key:
+
+* every shard of a ShardedTensor agrees on dtype, global shape, local shape and on
+  being flattened or not, and sits on the regular grid of chunks its local shape
+  defines;
+* the main replicas cover every chunk exactly once (flattened ranges must tile each
+  chunk without gaps or overlaps);
+* for ShardedObjects, main replicas have unique offsets, one per grid cell;
+* no key is used both for tensors and for objects.
+
+All violations are reported together in one :class:`ShardingValidationError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from enum import Enum
+
+from cloudckpt.errors import ShardingValidationError
+from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+
+logger = logging.getLogger(__name__)
+
+_MAX_LISTED = 5  # chunk indices listed per violation before "..."
+
+RankShard = tuple[int, ShardedBase]
+
+
+class StrictHandling(Enum):
+    """What a load does with missing keys (requested, not in the checkpoint) and
+    unexpected keys (in the checkpoint, requested by no rank).
+
+    Modes that drop missing keys (``LOG_ALL``, ``RETURN_ALL``, ``IGNORE_ALL``) load
+    everything else; ``RETURN_*`` make ``load`` return
+    ``(state_dict, missing_keys, unexpected_keys)``.
+    """
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    LOG_UNEXPECTED = "log_unexpected"
+    LOG_ALL = "log_all"
+    RAISE_UNEXPECTED = "raise_unexpected"
+    RAISE_ALL = "raise_all"
+    RETURN_UNEXPECTED = "return_unexpected"
+    RETURN_ALL = "return_all"
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: StrictHandling) -> bool:
+        """Whether unexpected keys must be computed (needs all ranks' requested keys)."""
+        return val != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(val: StrictHandling) -> bool:
+        """Whether the requested keys of every rank are needed."""
+        return val in _NEEDS_UNEXPECTED
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
+        """Whether ``load`` returns ``(state_dict, missing, unexpected)``."""
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+
+_NEEDS_UNEXPECTED = frozenset(StrictHandling) - {StrictHandling.ASSUME_OK_UNEXPECTED}
+DROPS_MISSING = frozenset(
+    {StrictHandling.LOG_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL}
+)
+
+
+def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
+    """Accept a StrictHandling or its value as a string (``"raise_all"``, case-insensitive)."""
+    if isinstance(strict, StrictHandling):
+        return strict
+    try:
+        return StrictHandling(str(strict).lower())
+    except ValueError:
+        valid = ", ".join(m.value for m in StrictHandling)
+        raise ValueError(f"unknown strict handling {strict!r}; expected one of: {valid}") from None
+
+
+def group_by_key(global_shards: Sequence[Iterable[ShardedBase]]) -> dict[str, list[RankShard]]:
+    """``global_shards[rank]`` -> ``{key: [(rank, shard), ...]}``, keys sorted."""
+    by_key: dict[str, list[RankShard]] = defaultdict(list)
+    for rank, shards in enumerate(global_shards):
+        for shard in shards:
+            by_key[shard.key].append((rank, shard))
+    return dict(sorted(by_key.items()))
+
+
+def validate_sharding_integrity(
+    global_shards: Sequence[Iterable[ShardedBase]], uri: str = ""
+) -> None:
+    """Check the sharding of a whole (all ranks) sharded state dict.
+
+    Args:
+        global_shards: per rank, the ShardedTensors and ShardedObjects (data not needed).
+        uri: the checkpoint, for the message.
+
+    Raises:
+        ShardingValidationError: listing every violation found.
+    """
+    violations: list[str] = []
+    for key, entries in group_by_key(global_shards).items():
+        kinds = {type(sh).__name__ for _, sh in entries}
+        if len(kinds) > 1:
+            violations.append(f"key {key!r} is used by {' and '.join(sorted(kinds))} at once")
+        elif isinstance(entries[0][1], ShardedTensor):
+            violations.extend(_tensor_violations(key, entries))
+        elif isinstance(entries[0][1], ShardedObject):
+            violations.extend(_object_violations(key, entries))
+    if violations:
+        where = f" for checkpoint {uri!r}" if uri else ""
+        message = f"invalid sharding{where} ({len(violations)} problem(s)):\n  - " + "\n  - ".join(
+            violations
+        )
+        raise ShardingValidationError(message, tuple(violations))
+
+
+def chunk_shape(sh: ShardedTensor) -> tuple[int, ...]:
+    """The shape of the global-array chunk one shard covers (prepended axes have size 1)."""
+    return (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+
+
+def chunk_index(sh: ShardedTensor) -> tuple[int, ...] | None:
+    """The shard's index in the chunk grid, or None if it is not aligned to the grid."""
+    shape = chunk_shape(sh)
+    if any(off % size for off, size in zip(sh.global_offset, shape) if size):
+        return None
+    return tuple(off // size if size else 0 for off, size in zip(sh.global_offset, shape))
+
+
+def _describe(ranks: Iterable[int]) -> str:
+    return "ranks " + ", ".join(map(str, sorted(set(ranks))))
+
+
+def _metadata_violations(key: str, entries: list[RankShard]) -> list[str]:
+    out = []
+    for attr in ("dtype", "global_shape", "local_shape"):
+        values: dict[object, list[int]] = defaultdict(list)
+        for rank, sh in entries:
+            value = getattr(sh, attr)
+            values[tuple(value) if attr != "dtype" else value].append(rank)
+        if len(values) > 1:
+            detail = "; ".join(f"{v} on {_describe(r)}" for v, r in values.items())
+            out.append(f"tensor {key!r}: {attr} differs across shards: {detail}")
+    flat = {sh.flattened_range is not None for _, sh in entries}  # type: ignore[attr-defined]
+    if len(flat) > 1:
+        out.append(f"tensor {key!r}: some shards have a flattened_range and some do not")
+    return out
+
+
+def _tensor_violations(key: str, entries: list[RankShard]) -> list[str]:
+    out = _metadata_violations(key, entries)
+    if out:
+        return out
+    first = entries[0][1]
+    assert isinstance(first, ShardedTensor)
+    shape = chunk_shape(first)
+    grid = tuple(math.ceil(g / c) if c else 1 for g, c in zip(first.global_shape, shape))
+    cells: dict[tuple[int, ...], list[RankShard]] = defaultdict(list)
+    for rank, sh in entries:
+        assert isinstance(sh, ShardedTensor)
+        index = chunk_index(sh)
+        if index is None or any(i >= n for i, n in zip(index, grid)):
+            out.append(
+                f"tensor {key!r}: shard on rank {rank} at offset {tuple(sh.global_offset)} is not "
+                f"aligned to the chunk grid of local shape {shape} in global shape "
+                f"{tuple(sh.global_shape)}"
+            )
+        elif is_main_replica(sh.replica_id):
+            cells[index].append((rank, sh))
+    if out:
+        return out
+    if first.flattened_range is None:
+        return _coverage_violations(key, grid, {i: [r for r, _ in c] for i, c in cells.items()})
+    return _flat_coverage_violations(key, grid, math.prod(shape), cells)
+
+
+def _coverage_violations(
+    key: str, grid: tuple[int, ...], cells: dict[tuple[int, ...], list[int]]
+) -> list[str]:
+    out = []
+    missing = [i for i in _grid_indices(grid) if i not in cells]
+    if missing:
+        out.append(
+            f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: "
+            f"{_listing(missing)}"
+        )
+    for index, ranks in sorted(cells.items()):
+        if len(ranks) > 1:
+            out.append(
+                f"tensor {key!r}: chunk {index} is saved by {len(ranks)} main replicas "
+                f"({_describe(ranks)}); set replica_id so that exactly one is main"
+            )
+    return out
+
+
+def _flat_coverage_violations(
+    key: str, grid: tuple[int, ...], numel: int, cells: dict[tuple[int, ...], list[RankShard]]
+) -> list[str]:
+    out = []
+    missing = [i for i in _grid_indices(grid) if i not in cells]
+    if missing:
+        out.append(f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: {_listing(missing)}")
+    for index, pieces in sorted(cells.items()):
+        spans = sorted((sh.flattened_range.start, sh.flattened_range.stop, r)  # type: ignore[attr-defined]
+                       for r, sh in pieces)
+        position = 0
+        for start, stop, rank in spans:
+            if start > position:
+                out.append(f"tensor {key!r}: chunk {index} elements [{position}, {start}) are not saved")
+            elif start < position:
+                out.append(
+                    f"tensor {key!r}: chunk {index} flattened range [{start}, {stop}) on rank {rank} "
+                    f"overlaps another main replica"
+                )
+            position = max(position, stop)
+        if position < numel:
+            out.append(f"tensor {key!r}: chunk {index} elements [{position}, {numel}) are not saved")
+    return out
+
+
+def _object_violations(key: str, entries: list[RankShard]) -> list[str]:
+    shapes = {tuple(sh.global_shape) for _, sh in entries}  # type: ignore[attr-defined]
+    if len(shapes) > 1:
+        return [f"object {key!r}: global_shape differs across shards: {sorted(shapes)}"]
+    expected = math.prod(next(iter(shapes)))
+    owners: dict[str, list[int]] = defaultdict(list)
+    for rank, sh in entries:
+        if is_main_replica(sh.replica_id):
+            owners[sh.unique_key].append(rank)  # type: ignore[attr-defined]
+    out = [
+        f"object {key!r}: {unique} is saved by {len(ranks)} main replicas ({_describe(ranks)})"
+        for unique, ranks in sorted(owners.items())
+        if len(ranks) > 1
+    ]
+    if len(owners) != expected:
+        out.append(
+            f"object {key!r}: {len(owners)} distinct main-replica shards for global shape "
+            f"{next(iter(shapes))}, expected {expected}"
+        )
+    return out
+
+
+def _grid_indices(grid: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
+    import itertools
+
+    return itertools.product(*(range(n) for n in grid))
+
+
+def _listing(items: Sequence[object]) -> str:
+    shown = ", ".join(map(str, items[:_MAX_LISTED]))
+    return shown + (f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")

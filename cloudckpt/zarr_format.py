@@ -1,0 +1,240 @@
+"""Zarr v2 array format, as Megatron-Core 0.15's zarr backend writes it (pure, no I/O).
+
+One array per ShardedTensor key: ``<key>/.zarray`` (JSON metadata) and one object
+per chunk, named by its chunk index joined with ``.`` (``0.0``, ``1.0``; ``0`` for a
+0-d array). cloudckpt writes chunks as raw little-endian C-order bytes without a
+compressor, and reads whatever a zarr v2 writer produced: numcodecs compressors and
+filters (Megatron-Core's default is Blosc), ``C`` or ``F`` order, either dimension
+separator. bfloat16 is stored as ``"dtype": "bfloat16"`` (the spelling Megatron-Core
+gets from tensorstore's numpy dtype), two bytes per element.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cloudckpt.errors import IncompatibleCheckpointError
+
+ZARRAY = ".zarray"
+
+_TORCH_TO_ZARR: dict[torch.dtype, str] = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "<f2",
+    torch.float32: "<f4",
+    torch.float64: "<f8",
+    torch.int8: "|i1",
+    torch.int16: "<i2",
+    torch.int32: "<i4",
+    torch.int64: "<i8",
+    torch.uint8: "|u1",
+    torch.bool: "|b1",
+}
+_ZARR_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in _TORCH_TO_ZARR.items()}
+# Spellings of the same little-endian types other writers use.
+_ZARR_TO_TORCH.update({"<i1": torch.int8, "<u1": torch.uint8, "<b1": torch.bool, "<bf16": torch.bfloat16})
+
+
+def encode_dtype(dtype: torch.dtype, key: str = "") -> str:
+    """The ``.zarray`` dtype string of a torch dtype."""
+    try:
+        return _TORCH_TO_ZARR[dtype]
+    except KeyError:
+        raise IncompatibleCheckpointError(
+            f"tensor {key!r}: dtype {dtype} is not supported by the zarr backend "
+            f"(supported: {', '.join(map(str, _TORCH_TO_ZARR))})"
+        ) from None
+
+
+def decode_dtype(spec: Any, where: str = "") -> torch.dtype:
+    """The torch dtype of a ``.zarray`` dtype string."""
+    if isinstance(spec, str) and spec in _ZARR_TO_TORCH:
+        return _ZARR_TO_TORCH[spec]
+    raise IncompatibleCheckpointError(f"{where}: unsupported zarr dtype {spec!r}")
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """The contents of one ``.zarray``.
+
+    Attributes:
+        shape: global array shape.
+        chunks: chunk shape (every chunk is stored at this full shape, edge ones too).
+        dtype: element type.
+        compressor: numcodecs config of the compressor, or None for raw bytes.
+        filters: numcodecs configs of filters applied before the compressor, or None.
+        order: ``"C"`` or ``"F"`` memory order inside a chunk.
+        dimension_separator: ``"."`` or ``"/"`` between chunk indices in object names.
+    """
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: torch.dtype
+    compressor: dict[str, Any] | None = None
+    filters: tuple[dict[str, Any], ...] | None = None
+    order: str = "C"
+    dimension_separator: str = "."
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one uncompressed chunk."""
+        return math.prod(self.chunks) * self.itemsize
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Number of chunks along each axis."""
+        return tuple(math.ceil(s / c) if c else 0 for s, c in zip(self.shape, self.chunks))
+
+    @property
+    def is_raw(self) -> bool:
+        """True when chunk bytes are the elements themselves (byte ranges can be read)."""
+        return self.compressor is None and not self.filters
+
+    def chunk_key(self, index: tuple[int, ...]) -> str:
+        """Object name of the chunk at ``index`` (relative to the array)."""
+        return self.dimension_separator.join(map(str, index)) if index else "0"
+
+    def to_json(self) -> bytes:
+        """Serialize as a zarr v2 ``.zarray`` document."""
+        doc = {
+            "chunks": list(self.chunks),
+            "compressor": self.compressor,
+            "dimension_separator": self.dimension_separator,
+            "dtype": encode_dtype(self.dtype),
+            "fill_value": None,
+            "filters": list(self.filters) if self.filters else None,
+            "order": self.order,
+            "shape": list(self.shape),
+            "zarr_format": 2,
+        }
+        return json.dumps(doc, indent=4, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str = "") -> ArrayMeta:
+        """Parse a ``.zarray`` document; ``where`` names it in errors."""
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise IncompatibleCheckpointError(f"{where}: not a valid .zarray: {exc}") from exc
+        if doc.get("zarr_format") != 2:
+            raise IncompatibleCheckpointError(
+                f"{where}: zarr_format {doc.get('zarr_format')!r} is not supported (expected 2)"
+            )
+        order = doc.get("order", "C")
+        if order not in ("C", "F"):
+            raise IncompatibleCheckpointError(f"{where}: unknown chunk order {order!r}")
+        filters = doc.get("filters")
+        return cls(
+            shape=tuple(doc["shape"]),
+            chunks=tuple(doc["chunks"]),
+            dtype=decode_dtype(doc["dtype"], where),
+            compressor=doc.get("compressor"),
+            filters=tuple(filters) if filters else None,
+            order=order,
+            dimension_separator=doc.get("dimension_separator") or ".",
+        )
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor's memory, made contiguous first if needed (no copy otherwise)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def bytes_to_tensor(raw: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """View bytes as a flat tensor of ``dtype`` (read-only input is fine: callers copy out)."""
+    if len(raw) == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # non-writable buffer; never written to
+        return torch.frombuffer(raw, dtype=dtype)
+
+
+def decode_chunk(meta: ArrayMeta, raw: bytes, where: str = "") -> torch.Tensor:
+    """Turn one stored chunk into a tensor of shape ``meta.chunks``."""
+    if not meta.is_raw:
+        raw = _decompress(meta, raw, where)
+    if len(raw) != meta.chunk_nbytes:
+        raise IncompatibleCheckpointError(
+            f"{where}: chunk has {len(raw)} bytes, expected {meta.chunk_nbytes} "
+            f"(chunk shape {meta.chunks}, {meta.dtype})"
+        )
+    flat = bytes_to_tensor(raw, meta.dtype)
+    if meta.order == "F":
+        return flat.reshape(tuple(reversed(meta.chunks))).permute(*reversed(range(len(meta.chunks))))
+    return flat.reshape(meta.chunks)
+
+
+def _decompress(meta: ArrayMeta, raw: bytes, where: str) -> bytes:
+    try:
+        import numcodecs
+    except ImportError as exc:  # pragma: no cover - numcodecs comes with zarr
+        raise IncompatibleCheckpointError(
+            f"{where}: compressed chunks need the numcodecs package"
+        ) from exc
+    data: Any = raw
+    if meta.compressor is not None:
+        data = numcodecs.get_codec(meta.compressor).decode(data)
+    for config in reversed(meta.filters or ()):
+        data = numcodecs.get_codec(config).decode(data)
+    return bytes(np.ascontiguousarray(data).view(np.uint8))
+
+
+@dataclass(frozen=True)
+class ChunkOverlap:
+    """Where one stored chunk meets a requested box of the global array.
+
+    Attributes:
+        index: chunk index in the chunk grid.
+        in_chunk: slices selecting the overlap inside the chunk.
+        in_box: slices selecting the overlap inside the requested box.
+    """
+
+    index: tuple[int, ...]
+    in_chunk: tuple[slice, ...]
+    in_box: tuple[slice, ...]
+
+
+def overlapping_chunks(
+    meta: ArrayMeta, offset: tuple[int, ...], shape: tuple[int, ...]
+) -> Iterator[ChunkOverlap]:
+    """Every chunk that intersects the box ``[offset, offset + shape)``, clipped to the array."""
+    ranges = []
+    for off, size, dim, chunk in zip(offset, shape, meta.shape, meta.chunks):
+        stop = min(off + size, dim)
+        if stop <= off:
+            return
+        ranges.append(range(off // chunk, (stop - 1) // chunk + 1))
+    for index in itertools.product(*ranges):
+        in_chunk, in_box = [], []
+        for i, off, size, dim, chunk in zip(index, offset, shape, meta.shape, meta.chunks):
+            lo = max(off, i * chunk)
+            hi = min(off + size, (i + 1) * chunk, dim)
+            in_chunk.append(slice(lo - i * chunk, hi - i * chunk))
+            in_box.append(slice(lo - off, hi - off))
+        yield ChunkOverlap(tuple(index), tuple(in_chunk), tuple(in_box))
+
+
+def row_byte_range(meta: ArrayMeta, in_chunk: tuple[slice, ...]) -> tuple[int, int]:
+    """Bytes of a raw C-order chunk that hold the rows (axis-0 slice) of ``in_chunk``.
+
+    Reading only this range is enough to extract ``in_chunk``; for a 0-d or 1-d
+    array it is exact.
+    """
+    if not in_chunk:
+        return 0, meta.chunk_nbytes
+    row = math.prod(meta.chunks[1:]) * meta.itemsize
+    return in_chunk[0].start * row, in_chunk[0].stop * row

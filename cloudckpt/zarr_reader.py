@@ -1,0 +1,179 @@
+"""Reading ShardedTensors out of zarr v2 arrays, with resharding.
+
+A requested shard is a box of the global array (its offset and local shape). The
+reader finds the stored chunks overlapping that box, fetches them concurrently
+through :mod:`cloudckpt.storage` - for raw chunks only the byte range of the rows
+it needs - and copies the overlaps into a fresh tensor. Requests are processed in
+batches of bounded size so that peak memory stays near the size of one batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.mapping import ShardedTensor
+from cloudckpt.storage import CheckpointStorage, ReadRequest
+from cloudckpt.validation import chunk_shape
+from cloudckpt.zarr_format import (
+    ZARRAY,
+    ArrayMeta,
+    ChunkOverlap,
+    bytes_to_tensor,
+    decode_chunk,
+    overlapping_chunks,
+    row_byte_range,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One read serving one overlap of one requested tensor."""
+
+    request: ReadRequest
+    overlap: ChunkOverlap
+    first_row: int  # row of the chunk the read starts at (0 for whole chunks)
+
+
+class TensorReader:
+    """Loads ShardedTensors from the zarr arrays of one checkpoint.
+
+    Args:
+        storage: the checkpoint.
+        batch_bytes: upper bound on the bytes fetched per batch of requests.
+    """
+
+    def __init__(self, storage: CheckpointStorage, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+        self.storage = storage
+        self.batch_bytes = batch_bytes
+        self._metas: dict[str, ArrayMeta] = {}
+
+    def array_keys(self) -> list[str]:
+        """Keys of every array in the checkpoint (one listing)."""
+        suffix = "/" + ZARRAY
+        return [p[: -len(suffix)] for p in self.storage.list() if p.endswith(suffix)]
+
+    def all_array_metas(self) -> dict[str, ArrayMeta]:
+        """``{key: ArrayMeta}`` for every array in the checkpoint."""
+        return self.metas(self.array_keys())
+
+    def metas(self, keys: Sequence[str]) -> dict[str, ArrayMeta]:
+        """Read (once, concurrently) and return the ``.zarray`` of each key."""
+        todo = sorted({k for k in keys if k not in self._metas})
+        try:
+            raws = self.storage.read_many([ReadRequest(f"{k}/{ZARRAY}") for k in todo])
+        except CheckpointNotFoundError:
+            present = set(self.array_keys())
+            missing = [k for k in todo if k not in present]
+            raise CheckpointNotFoundError(
+                f"tensor(s) {missing} not found in checkpoint {self.storage.uri!r}"
+            ) from None
+        for key, raw in zip(todo, raws):
+            self._metas[key] = ArrayMeta.from_json(raw, self.storage.child_uri(f"{key}/{ZARRAY}"))
+        return {k: self._metas[k] for k in keys}
+
+    def load_all(self, tensors: Sequence[ShardedTensor]) -> dict[int, torch.Tensor]:
+        """Load every requested tensor; returns ``{id(sharded_tensor): tensor}``."""
+        metas = self.metas([t.key for t in tensors])
+        for sh in tensors:
+            self._check_compatible(sh, metas[sh.key])
+        out: dict[int, torch.Tensor] = {}
+        for batch in self._batches(tensors, metas):
+            out.update(self._load_batch(batch, metas))
+        return out
+
+    def _check_compatible(self, sh: ShardedTensor, meta: ArrayMeta) -> None:
+        where = f"tensor {sh.key!r} in checkpoint {self.storage.uri!r}"
+        if meta.dtype != sh.dtype:
+            raise CheckpointingException(f"{where}: stored dtype {meta.dtype}, requested {sh.dtype}")
+        if tuple(meta.shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
+            raise CheckpointingException(
+                f"{where}: stored global shape {tuple(meta.shape)}, requested "
+                f"{tuple(sh.global_shape)} (set allow_shape_mismatch=True to cut or pad)"
+            )
+
+    def _batches(
+        self, tensors: Sequence[ShardedTensor], metas: dict[str, ArrayMeta]
+    ) -> Iterator[list[ShardedTensor]]:
+        batch: list[ShardedTensor] = []
+        size = 0
+        for sh in tensors:
+            nbytes = math.prod(chunk_shape(sh)) * metas[sh.key].itemsize
+            if batch and size + nbytes > self.batch_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append(sh)
+            size += nbytes
+        if batch:
+            yield batch
+
+    def _load_batch(
+        self, batch: list[ShardedTensor], metas: dict[str, ArrayMeta]
+    ) -> dict[int, torch.Tensor]:
+        plans = {id(sh): self._plan(sh, metas[sh.key]) for sh in batch}
+        unique = sorted({p.request for pieces in plans.values() for p in pieces},
+                        key=lambda r: (r.path, r.start))
+        fetched = dict(zip(unique, self.storage.read_many(unique)))
+        return {
+            id(sh): self._assemble(sh, metas[sh.key], plans[id(sh)], fetched) for sh in batch
+        }
+
+    def _plan(self, sh: ShardedTensor, meta: ArrayMeta) -> list[_Piece]:
+        box = chunk_shape(sh)
+        pieces = []
+        for overlap in overlapping_chunks(meta, tuple(sh.global_offset), box):
+            path = f"{sh.key}/{meta.chunk_key(overlap.index)}"
+            if meta.is_raw and meta.order == "C" and overlap.in_chunk:
+                start, end = row_byte_range(meta, overlap.in_chunk)
+                first_row = overlap.in_chunk[0].start
+                pieces.append(_Piece(ReadRequest(path, start, end), overlap, first_row))
+            else:
+                pieces.append(_Piece(ReadRequest(path), overlap, 0))
+        return pieces
+
+    def _assemble(
+        self,
+        sh: ShardedTensor,
+        meta: ArrayMeta,
+        pieces: list[_Piece],
+        fetched: dict[ReadRequest, bytes],
+    ) -> torch.Tensor:
+        box = torch.zeros(chunk_shape(sh), dtype=meta.dtype)  # zeros pad a shape mismatch
+        for piece in pieces:
+            part = self._decode(meta, piece, fetched[piece.request])
+            box[piece.overlap.in_box] = part[_shift_rows(piece.overlap.in_chunk, piece.first_row)]
+        result = box.reshape(tuple(sh.local_shape))
+        if sh.flattened_range is not None:
+            result = result.reshape(-1)[sh.flattened_range].clone()
+        if sh.data is not None and sh.data.device.type != "cpu":
+            result = result.to(sh.data.device)
+        return result
+
+    def _decode(self, meta: ArrayMeta, piece: _Piece, raw: bytes) -> torch.Tensor:
+        where = self.storage.child_uri(piece.request.path)
+        if piece.request.end is None:
+            return decode_chunk(meta, raw, where)
+        rows = piece.overlap.in_chunk[0].stop - piece.first_row
+        expected = piece.request.end - piece.request.start
+        if len(raw) != expected:
+            raise CheckpointingException(
+                f"{where}: read {len(raw)} bytes at offset {piece.request.start}, expected "
+                f"{expected}; the chunk is truncated"
+            )
+        return bytes_to_tensor(raw, meta.dtype).reshape((rows,) + tuple(meta.chunks[1:]))
+
+
+def _shift_rows(in_chunk: tuple[slice, ...], first_row: int) -> tuple[slice, ...]:
+    if not in_chunk or not first_row:
+        return in_chunk
+    head = in_chunk[0]
+    return (slice(head.start - first_row, head.stop - first_row),) + in_chunk[1:]
