@@ -1,0 +1,1 @@
+"""Save and load strategies, one backend per module, registered by (action, backend, version)."""

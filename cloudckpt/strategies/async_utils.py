@@ -1,0 +1,330 @@
+"""Background checkpoint saves: :class:`AsyncRequest` and :class:`AsyncCallsQueue`.
+
+An async save has two parts. The *async function* persists data that is already
+staged in host memory (it uploads bytes and may take minutes); the *finalize
+functions* run afterwards in the training thread, once the async function is done
+on **every** rank (for example, to write ``metadata.json`` and commit).
+
+Threads, not processes
+    :class:`AsyncCallsQueue` runs each async function in a background thread of the
+    training process. Checkpoint writes are network and disk I/O, which releases the
+    GIL, so a thread does not stall training; and a thread shares the host-staged
+    tensors with the training thread, so nothing is copied or pickled, whereas a
+    forked process would duplicate the address space (and any fsspec or CUDA state)
+    and a spawned one would need every tensor serialised to it. The threads are not
+    daemons: interpreter exit waits for a running save instead of cutting it off.
+
+Threading contract
+    Every method of :class:`AsyncCallsQueue` must be called from one thread, the
+    training (main) thread; the queue takes no locks. The async function runs in a
+    worker thread, so it must not touch the queue and must not run collectives on a
+    process group the training thread uses (two threads in one collective sequence
+    corrupt it). :meth:`AsyncCallsQueue.schedule_async_request` and
+    :meth:`AsyncCallsQueue.maybe_finalize_async_calls` must be called on all ranks,
+    for the same requests and in the same order: finalization is agreed across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+from cloudckpt import dist
+from cloudckpt.errors import CheckpointingException, DistributedCheckpointError
+
+logger = logging.getLogger(__name__)
+
+FinalizeFn = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class AsyncRequest:
+    """An async save: a function to run in the background and the steps that finish it.
+
+    Instances are immutable: ``finalize_fns`` is stored as a tuple and
+    :meth:`add_finalize_fn` returns a new request. (Megatron-Core mutates the request
+    in place; write ``request = request.add_finalize_fn(fn)`` here.)
+
+    Args:
+        async_fn: persists the data; called as ``async_fn(*async_fn_args,
+            **async_fn_kwargs)``. ``None`` means there is nothing to persist, only to
+            finalize.
+        async_fn_args: positional arguments of ``async_fn``.
+        finalize_fns: zero-argument callables run in order, in the caller's thread,
+            after ``async_fn`` is done on every rank. A list is accepted and stored as
+            a tuple.
+        async_fn_kwargs: keyword arguments of ``async_fn``.
+        is_frozen: once True, no finalize function can be added.
+    """
+
+    async_fn: Callable[..., Any] | None
+    async_fn_args: tuple[Any, ...]
+    finalize_fns: Sequence[FinalizeFn] = ()
+    async_fn_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    is_frozen: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise sequences given by callers (Megatron passes lists) to tuples.
+        object.__setattr__(self, "async_fn_args", tuple(self.async_fn_args))
+        object.__setattr__(self, "finalize_fns", tuple(_as_sequence(self.finalize_fns)))
+        object.__setattr__(self, "async_fn_kwargs", dict(self.async_fn_kwargs))
+
+    def add_finalize_fn(self, fn: FinalizeFn) -> AsyncRequest:
+        """Return a copy of this request with ``fn`` run after the existing finalize fns.
+
+        Args:
+            fn: a zero-argument callable.
+
+        Returns:
+            A new, unfrozen request; this one is unchanged.
+
+        Raises:
+            CheckpointingException: the request is frozen (it was already scheduled).
+        """
+        if self.is_frozen:
+            raise CheckpointingException(
+                "cannot add a finalize function to a frozen AsyncRequest "
+                "(it has been scheduled already)"
+            )
+        return dataclasses.replace(self, finalize_fns=(*self.finalize_fns, fn))
+
+    def freeze(self) -> AsyncRequest:
+        """Return a copy of this request to which no finalize function can be added."""
+        return dataclasses.replace(self, is_frozen=True)
+
+    def execute_sync(self) -> None:
+        """Run the request to completion in the caller's thread.
+
+        Runs ``async_fn``, then agrees with the other ranks that it succeeded
+        everywhere (a collective, so every rank must call this; without a process
+        group it is local), then runs every finalize function in order.
+
+        Raises:
+            DistributedCheckpointError: ``async_fn`` failed on some rank (more than one
+                rank in the group).
+            Exception: in a world of one rank, the error ``async_fn`` raised, as is;
+                an error raised by a finalize function, as is.
+        """
+        error: BaseException | None = None
+        if self.async_fn is not None:
+            try:
+                self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                error = exc
+        dist.raise_if_any_rank_failed(error, "synchronous execution of an async request")
+        for fn in self.finalize_fns:
+            fn()
+
+
+def _as_sequence(fns: Sequence[FinalizeFn] | FinalizeFn) -> Sequence[FinalizeFn]:
+    if callable(fns):
+        raise CheckpointingException(
+            "AsyncRequest.finalize_fns must be a sequence of callables, not one callable"
+        )
+    return fns
+
+
+@dataclass
+class _ScheduledCall:
+    """One scheduled request and the thread that runs its async function."""
+
+    idx: int
+    request: AsyncRequest
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def run(self) -> None:
+        """Thread target: run the async function, record its error instead of raising."""
+        fn = self.request.async_fn
+        if fn is None:
+            return
+        try:
+            fn(*self.request.async_fn_args, **self.request.async_fn_kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised at finalization
+            self.error = exc
+
+    def is_done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+
+class AsyncCallsQueue:
+    """Runs async save requests in background threads and finalizes them across ranks.
+
+    Typical use in a training loop::
+
+        idx = queue.schedule_async_request(strategy.async_save(sharded_sd, uri))
+        ...
+        queue.maybe_finalize_async_calls()          # every step: cheap, non-blocking
+        ...
+        queue.close()                               # at exit: wait and finalize all
+
+    Calls are finalized in scheduling order, and a call is finalized only when it and
+    every call scheduled before it are done on every rank. Creating a queue starts
+    no thread and touches no process group. See the module docstring for the
+    threading contract (all methods from the training thread; scheduling and
+    finalization on all ranks).
+    """
+
+    def __init__(self) -> None:
+        self._calls: deque[_ScheduledCall] = deque()
+        self._next_idx = 0
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Freeze ``async_request`` and start its async function in a background thread.
+
+        Args:
+            async_request: the request; a request without ``async_fn`` starts no thread
+                and is finalized at the next check.
+
+        Returns:
+            The call index (0, 1, 2, ... in scheduling order), used in logs, errors
+            and the return value of :meth:`maybe_finalize_async_calls`.
+        """
+        call = _ScheduledCall(self._next_idx, async_request.freeze())
+        self._next_idx += 1
+        if call.request.async_fn is not None:
+            call.thread = threading.Thread(
+                target=call.run, name=f"cloudckpt-async-save-{call.idx}", daemon=False
+            )
+            call.thread.start()
+        self._calls.append(call)
+        logger.debug("scheduled async checkpoint call %s", call.idx)
+        return call.idx
+
+    def maybe_finalize_async_calls(
+        self, blocking: bool = False, no_dist: bool = False
+    ) -> list[int]:
+        """Finalize, in scheduling order, the calls whose async function is done on every rank.
+
+        With a process group and ``no_dist=False`` this is a collective (two integer
+        all-reduces; none when nothing is scheduled): every rank must call it, and
+        all ranks finalize the same calls.
+
+        Args:
+            blocking: wait for every scheduled call to finish (on every rank) and
+                finalize them all; otherwise return at once with what is done.
+            no_dist: decide on this rank's calls alone, without collectives.
+
+        Returns:
+            The indices of the calls finalized by this call, in order.
+
+        Raises:
+            CheckpointingException: the async function of the next call failed (on
+                this rank; chained to its error) or a finalize function raised; the
+                message names the call index. The failed call is dropped; calls
+                scheduled after it stay queued. With a process group (and
+                ``no_dist=False``) the error is a :class:`DistributedCheckpointError`
+                raised on every rank, naming the ranks that failed.
+        """
+        if not self._calls:
+            return []
+        if blocking:
+            for call in self._calls:
+                call.wait()
+        agree = dist.is_distributed() and not no_dist
+        n_done = self._agree(self._count_done(), agree)
+        n_ok = self._agree(self._count_succeeded(n_done), agree)
+        finalized: list[int] = []
+        for _ in range(n_ok):
+            call = self._calls.popleft()
+            self._finalize(call)
+            finalized.append(call.idx)
+        if n_ok < n_done:
+            self._raise_failure(self._calls.popleft(), agree)
+        return finalized
+
+    def get_num_unfinalized_calls(self) -> int:
+        """Number of scheduled calls not finalized yet (running or done)."""
+        return len(self._calls)
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for every scheduled call and finalize it (a collective, like a blocking check).
+
+        Args:
+            abort: wait for the running async functions but finalize nothing and run
+                no collective: the calls are dropped. For a rank that is failing.
+        """
+        if abort:
+            for call in self._calls:
+                call.wait()
+            if self._calls:
+                logger.warning(
+                    "dropping %s async checkpoint call(s) without finalizing them: %s",
+                    len(self._calls),
+                    [call.idx for call in self._calls],
+                )
+            self._calls.clear()
+            return
+        self.maybe_finalize_async_calls(blocking=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Finalize everything on a clean exit; on an exception only wait and drop."""
+        self.close(abort=exc_type is not None)
+
+    def _count_done(self) -> int:
+        """Length of the leading run of calls whose async function finished here."""
+        count = 0
+        for call in self._calls:
+            if not call.is_done():
+                break
+            count += 1
+        return count
+
+    def _count_succeeded(self, n_done: int) -> int:
+        """Position of the first failed call among the first ``n_done`` (or ``n_done``)."""
+        for pos, call in enumerate(list(self._calls)[:n_done]):
+            if call.error is not None:
+                return pos
+        return n_done
+
+    @staticmethod
+    def _agree(value: int, agree: bool) -> int:
+        return dist.all_reduce_int(value, op="min") if agree else value
+
+    @staticmethod
+    def _finalize(call: _ScheduledCall) -> None:
+        for fn in call.request.finalize_fns:
+            try:
+                fn()
+            except Exception as exc:
+                raise CheckpointingException(
+                    f"finalization of async checkpoint call {call.idx} failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        logger.info(
+            "finalized async checkpoint call %s (%.2f s after scheduling)",
+            call.idx,
+            time.monotonic() - call.started,
+        )
+
+    @staticmethod
+    def _raise_failure(call: _ScheduledCall, agree: bool) -> None:
+        what = f"async checkpoint call {call.idx}"
+        if agree and dist.get_world_size() > 1:
+            # Every rank reaches this point for the same call: exchange the errors.
+            dist.raise_if_any_rank_failed(call.error, what)
+            raise DistributedCheckpointError(f"{what} failed on another rank")
+        error = call.error
+        raise CheckpointingException(
+            f"{what} failed: {type(error).__name__}: {error}"
+        ) from error

@@ -1,0 +1,395 @@
+"""Strategy interfaces and the registry of default strategies.
+
+A *strategy* reads or writes one part of a checkpoint in one format (a *backend*
+with a format *version*): the common part (``common.pt`` and sharded objects) or
+the sharded tensors. Concrete strategies live one per module under
+``cloudckpt/strategies/`` and register themselves at import time with
+:func:`register_default_strategy`; :func:`get_default_strategy` imports a backend's
+module on first use.
+
+Checkpoint locations are ``str`` URIs (``"s3://bucket/run/step_100"``) or local
+paths, and the ``checkpoint_dir`` parameters below are typed ``str``. Strategies
+should still accept ``os.PathLike`` local paths at run time and convert them with
+:func:`checkpoint_uri` (``os.fspath``); never wrap a URI in :class:`pathlib.Path`,
+which turns ``s3://b/k`` into ``s3:/b/k``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from enum import Enum
+from pathlib import PurePath
+from typing import TYPE_CHECKING, Any, Union
+
+from cloudckpt.errors import (
+    CheckpointingException,
+    IncompatibleCheckpointError,
+    StrategyNotFoundError,
+)
+from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+if TYPE_CHECKING:
+    from cloudckpt.mapping import ShardedStateDict, StateDict
+
+logger = logging.getLogger(__name__)
+
+CheckpointDir = Union[str, "os.PathLike[str]"]
+"""A checkpoint location: a URI or local path string, or a local ``os.PathLike``."""
+
+
+class StrategyAction(Enum):
+    """What a strategy does: save or load, the common or the sharded part."""
+
+    LOAD_COMMON = "load_common"
+    LOAD_SHARDED = "load_sharded"
+    SAVE_COMMON = "save_common"
+    SAVE_SHARDED = "save_sharded"
+
+
+default_strategies: defaultdict[str, dict[tuple[str, int], Any]] = defaultdict(dict)
+"""Registry: ``default_strategies[action.value][(backend, version)] -> strategy``."""
+
+async_calls = AsyncCallsQueue()
+"""Process-wide queue for async saves (starts no thread until a request is scheduled)."""
+
+_BACKEND_MODULES: dict[str, str] = {
+    "zarr": "cloudckpt.strategies.zarr",
+    "torch": "cloudckpt.strategies.common",
+    "torch_dist": "cloudckpt.strategies.torch",
+}
+"""Module that registers each backend's default strategies when imported."""
+
+_BROKEN_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/[^/]")
+
+
+def checkpoint_uri(checkpoint_dir: CheckpointDir) -> str:
+    """Return ``checkpoint_dir`` as a ``str`` URI or path.
+
+    Args:
+        checkpoint_dir: a URI or path string, or an ``os.PathLike`` local path.
+
+    Raises:
+        CheckpointingException: the value is not a string or path, or it is a
+            ``pathlib`` path that swallowed a URI's ``//`` (``Path("s3://b/k")``).
+    """
+    try:
+        uri = os.fspath(checkpoint_dir)
+    except TypeError as exc:
+        raise CheckpointingException(
+            f"checkpoint location must be a str URI or os.PathLike, got {checkpoint_dir!r}"
+        ) from exc
+    if not isinstance(uri, str):
+        raise CheckpointingException(f"checkpoint location must be text, got {uri!r}")
+    if isinstance(checkpoint_dir, PurePath) and _BROKEN_URI.match(uri):
+        raise CheckpointingException(
+            f"checkpoint location {uri!r} is a pathlib path made from a URI, which lost "
+            "its '//'; pass the URI as a str"
+        )
+    return uri
+
+
+def _as_action(action: StrategyAction | str) -> StrategyAction:
+    try:
+        return StrategyAction(action)
+    except ValueError:
+        valid = ", ".join(a.value for a in StrategyAction)
+        raise StrategyNotFoundError(
+            f"unknown strategy action {action!r}; expected one of: {valid}"
+        ) from None
+
+
+def _import_backend(action: StrategyAction, backend: str, version: int) -> None:
+    """Import the module that registers ``backend``'s strategies, if one is known."""
+    module = _BACKEND_MODULES.get(backend)
+    if module is None:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        missing = exc.name or module
+        raise StrategyNotFoundError(
+            f"cannot load a default strategy for {(action.value, backend, version)}: "
+            f"importing {module} failed because module {missing!r} is missing ({exc})"
+        ) from exc
+
+
+def get_default_strategy(action: StrategyAction | str, backend: str, version: int) -> Any:
+    """Return the strategy registered for ``(action, backend, version)``.
+
+    When nothing is registered for the triple yet, the backend's module (``zarr``,
+    ``torch``, ``torch_dist``) is imported first, which registers its strategies.
+
+    Args:
+        action: what the strategy must do (a :class:`StrategyAction` or its value).
+        backend: the backend name, as stored in ``metadata.json``.
+        version: the backend's format version.
+
+    Returns:
+        The registered strategy instance.
+
+    Raises:
+        StrategyNotFoundError: the backend's module cannot be imported (the message
+            names the missing module), or no strategy is registered for the triple
+            (the message lists what is registered for ``action``).
+    """
+    action = _as_action(action)
+    registered = default_strategies[action.value]
+    if (backend, version) not in registered:
+        _import_backend(action, backend, version)
+    try:
+        return registered[(backend, version)]
+    except KeyError:
+        available = ", ".join(f"{b!r} v{v}" for b, v in sorted(registered)) or "nothing"
+        raise StrategyNotFoundError(
+            f"no default strategy for {(action.value, backend, version)}; "
+            f"registered for {action.value!r}: {available}"
+        ) from None
+
+
+def register_default_strategy(
+    action: StrategyAction | str,
+    backend: str,
+    version: int,
+    strategy: SaveStrategyBase | LoadStrategyBase,
+) -> None:
+    """Make ``strategy`` the default for ``(action, backend, version)``.
+
+    A later registration for the same triple replaces the earlier one.
+
+    Args:
+        action: what the strategy does (a :class:`StrategyAction` or its value).
+        backend: backend the strategy becomes a default for.
+        version: format version the strategy becomes a default for.
+        strategy: the strategy instance.
+    """
+    action = _as_action(action)
+    previous = default_strategies[action.value].get((backend, version))
+    if previous is not None and previous is not strategy:
+        logger.debug(
+            "replacing default %s strategy for (%s, %s): %s -> %s",
+            action.value, backend, version, previous, strategy,
+        )
+    default_strategies[action.value][(backend, version)] = strategy
+
+
+class LoadStrategyBase(ABC):
+    """Base of load strategies: a strategy must say which stored formats it can read.
+
+    The loader reads ``metadata.json`` and calls :func:`check_compatibility` (both
+    checks below) before any ``load*`` method.
+    """
+
+    @abstractmethod
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Check that this strategy can read data stored by ``loaded_backend``.
+
+        Raises:
+            IncompatibleCheckpointError: it cannot. Returning normally means it can.
+        """
+
+    @abstractmethod
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Check that this strategy can read format version ``loaded_version``.
+
+        Raises:
+            IncompatibleCheckpointError: it cannot. Returning normally means it can.
+        """
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy also loads ShardedObjects (False by default)."""
+        return False
+
+
+class SaveStrategyBase(ABC):
+    """Base of save strategies: a strategy writes one backend at one format version.
+
+    Args:
+        backend: the backend name written to ``metadata.json`` (e.g. ``"zarr"``).
+        version: the format version written to ``metadata.json``.
+    """
+
+    def __init__(self, backend: str, version: int) -> None:
+        self.backend = backend
+        self.version = version
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy also saves ShardedObjects (False by default)."""
+        return False
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self.backend}, {self.version})"
+
+
+class LoadCommonStrategy(LoadStrategyBase):
+    """Loads the common (non-sharded) part of a checkpoint and its sharded objects."""
+
+    @abstractmethod
+    def load_common(self, checkpoint_dir: str) -> StateDict:
+        """Return the common state dict saved in the checkpoint at ``checkpoint_dir``."""
+
+    @abstractmethod
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str
+    ) -> StateDict:
+        """Load the ShardedObjects of ``sharded_objects_state_dict``.
+
+        Returns:
+            The same nested dict with every ShardedObject replaced by its loaded value.
+        """
+
+    def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """Return the ShardedObjects stored in the checkpoint, keyed by sharded key.
+
+        The default suits a strategy that cannot load sharded objects: it returns
+        ``{}``. A strategy that can must override it.
+
+        Raises:
+            NotImplementedError: the strategy handles sharded objects but does not
+                override this method.
+        """
+        if not self.can_handle_sharded_objects:
+            return {}
+        raise NotImplementedError(
+            f"{type(self).__name__} handles sharded objects and must implement "
+            "load_sharded_metadata"
+        )
+
+
+class LoadShardedStrategy(LoadStrategyBase):
+    """Loads the sharded tensors of a checkpoint (and, if able, its sharded objects)."""
+
+    @abstractmethod
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str
+    ) -> StateDict:
+        """Load every ShardedTensor of ``sharded_state_dict`` from ``checkpoint_dir``.
+
+        Returns:
+            The same nested dict with every ShardedTensor replaced by its tensor.
+        """
+
+    @abstractmethod
+    def load_tensors_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """Describe the stored tensors: ``{sharded key: ShardedTensor without data}``.
+
+        Keys are ShardedTensor keys, not state dict keys; each value carries the
+        global shape and dtype only (no data, no sharding).
+        """
+
+    @abstractmethod
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Delete from the checkpoint every tensor whose key starts with ``key_prefix``."""
+
+    def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """Describe the stored tensors and objects, keyed by sharded key.
+
+        The default suits a strategy that cannot load sharded objects: it returns
+        :meth:`load_tensors_metadata`. A strategy that can must override it.
+
+        Raises:
+            NotImplementedError: the strategy handles sharded objects but does not
+                override this method.
+        """
+        if not self.can_handle_sharded_objects:
+            return self.load_tensors_metadata(checkpoint_dir)
+        raise NotImplementedError(
+            f"{type(self).__name__} handles sharded objects and must implement "
+            "load_sharded_metadata"
+        )
+
+
+class SaveCommonStrategy(SaveStrategyBase):
+    """Saves the common (non-sharded) part of a state dict and its sharded objects."""
+
+    @abstractmethod
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: str) -> Any:
+        """Save ``common_state_dict`` (called on the coordinator rank only).
+
+        Returns:
+            A backend-defined record of what was written (cloudckpt's strategies
+            return their storage write results, for the manifest), or None.
+        """
+
+    @abstractmethod
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str
+    ) -> Any:
+        """Save the main replicas of the ShardedObjects in ``sharded_objects_state_dict``.
+
+        Returns:
+            A backend-defined record of what was written, or None (as for
+            :meth:`save_common`).
+        """
+
+
+class SaveShardedStrategy(SaveStrategyBase):
+    """Saves the sharded tensors of a state dict (called on every rank)."""
+
+    @abstractmethod
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> Any:
+        """Save this rank's main-replica shards of ``sharded_state_dict``.
+
+        Returns:
+            A backend-defined record of what this rank wrote (cloudckpt's strategies
+            return their storage write results, for the manifest), or None.
+        """
+
+
+class AsyncSaveShardedStrategy(SaveShardedStrategy):
+    """A sharded save that can run in the background.
+
+    :meth:`async_save` does the blocking part (staging the shards in host memory)
+    and returns an :class:`AsyncRequest` for the rest; the caller schedules it, e.g.
+    on :data:`async_calls`. :meth:`save` runs the same request synchronously.
+    """
+
+    @abstractmethod
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str
+    ) -> AsyncRequest:
+        """Prepare the save of ``sharded_state_dict`` and return it as a request.
+
+        Returns:
+            The request whose ``async_fn`` writes the data and whose ``finalize_fns``
+            complete the save; scheduling it is the caller's job.
+        """
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> None:
+        """Save synchronously: run :meth:`async_save`'s request to completion here.
+
+        A collective (see :meth:`AsyncRequest.execute_sync`): call it on every rank.
+        """
+        self.async_save(sharded_state_dict, checkpoint_uri(checkpoint_dir)).execute_sync()
+
+
+def check_compatibility(
+    strategy: LoadStrategyBase, backend: str, version: int, checkpoint_dir: CheckpointDir
+) -> None:
+    """Check that ``strategy`` can read a checkpoint stored as ``backend`` v``version``.
+
+    Args:
+        strategy: the load strategy about to be used.
+        backend: the backend recorded in the checkpoint's ``metadata.json``.
+        version: the version recorded in the checkpoint's ``metadata.json``.
+        checkpoint_dir: the checkpoint, named in the error.
+
+    Raises:
+        IncompatibleCheckpointError: either check failed; the message names the URI,
+            the stored backend and version and the strategy, chained to the check's error.
+    """
+    uri = checkpoint_uri(checkpoint_dir)
+    try:
+        strategy.check_backend_compatibility(backend)
+        strategy.check_version_compatibility(version)
+    except IncompatibleCheckpointError as exc:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {uri} was written by backend {backend!r} version {version}, "
+            f"which {type(strategy).__name__} cannot load: {exc}"
+        ) from exc
