@@ -1,0 +1,380 @@
+"""Entry points: save and load sharded state dicts (Megatron-Core's top-level API).
+
+``save`` runs on every rank with that rank's sharded state dict: factories are
+applied, LocalNonpersistentObjects dropped, the sharding validated across ranks,
+then every rank writes its main-replica shards, rank 0 the common state, and, after
+all ranks succeeded, rank 0 writes ``metadata.json``. ``load`` does the reverse,
+resharding to whatever layout the requested state dict describes.
+
+Without an initialised process group, both work in one process (a world of one).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cloudckpt import dist
+from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, load_config, save_config
+from cloudckpt.dict_utils import extract_matching_values, merge, nested_values
+from cloudckpt.errors import CheckpointingException, MissingKeysError, UnexpectedKeysError
+from cloudckpt.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from cloudckpt.storage import CheckpointStorage, open_checkpoint, validate_relpath
+from cloudckpt.strategies.base import (
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    check_compatibility,
+    checkpoint_uri,
+    get_default_strategy,
+)
+from cloudckpt.validation import (
+    DROPS_MISSING,
+    StrictHandling,
+    parse_strict_flag,
+    validate_sharding_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHARDED_BACKEND = ("zarr", 1)
+DEFAULT_COMMON_BACKEND = ("torch", 1)
+
+SaveShardedArg = SaveShardedStrategy | tuple[str, int] | None
+SaveCommonArg = SaveCommonStrategy | tuple[str, int] | None
+LoadResult = StateDict | tuple[StateDict, set[str], set[str]]
+
+
+def _with_storage(strategy: Any, storage_options: dict[str, Any] | None) -> Any:
+    """A copy of a registered strategy that uses ``storage_options`` (the registry's is shared)."""
+    if storage_options and getattr(strategy, "fs", None) is None and hasattr(strategy, "storage_options"):
+        strategy = copy.copy(strategy)
+        strategy.storage_options = storage_options
+    return strategy
+
+
+def _open(uri: str, strategy: Any, storage_options: dict[str, Any] | None) -> CheckpointStorage:
+    return open_checkpoint(uri, getattr(strategy, "fs", None), storage_options)
+
+
+def _split_state_dict(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[ShardedStateDict, ShardedStateDict, StateDict]:
+    """-> (sharded objects, sharded tensors, common state); nonpersistent values dropped."""
+    _, persistent = extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+    )
+    sharded, common = extract_matching_values(persistent, lambda v: isinstance(v, ShardedBase))
+    objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
+    return objects, tensors, common
+
+
+def _local_metadata(sharded: ShardedStateDict, uri: str) -> list[ShardedBase]:
+    metadata = []
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedBase):
+            validate_relpath(value.key, uri)
+            metadata.append(value.without_data())
+    return metadata
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str,
+    sharded_strategy: SaveShardedArg = None,
+    common_strategy: SaveCommonArg = None,
+    validate_access_integrity: bool = True,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Save a sharded state dict to ``checkpoint_dir`` (a URI or local path). Collective.
+
+    Args:
+        sharded_state_dict: this rank's state: ShardedTensors, ShardedObjects,
+            ShardedTensorFactories, LocalNonpersistentObjects and plain values
+            (the plain values of rank 0 become the common state). Factories are
+            applied in place, as in Megatron-Core.
+        checkpoint_dir: destination; it must hold no objects yet.
+        sharded_strategy: a save strategy or a (backend, version) pair; default zarr v1.
+        common_strategy: a common-state strategy or pair; default torch v1.
+        validate_access_integrity: check, across ranks, that every tensor is covered
+            exactly once by main replicas and that shard metadata agrees.
+        storage_options: fsspec options for the URI's filesystem (credentials, endpoint).
+
+    Raises:
+        ShardingValidationError: the sharding is inconsistent (every problem listed).
+        CheckpointingException: the destination is not empty, or a rank failed to write
+            (then every rank raises, naming the failed ranks).
+    """
+    started = time.perf_counter()
+    uri = checkpoint_uri(checkpoint_dir)
+    sharded_strategy = _with_storage(_save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy,
+                                                    DEFAULT_SHARDED_BACKEND), storage_options)
+    common_strategy = _with_storage(_save_strategy(StrategyAction.SAVE_COMMON, common_strategy,
+                                                   DEFAULT_COMMON_BACKEND), storage_options)
+    storage = _open(uri, sharded_strategy, storage_options)
+    _require_empty_destination(storage)
+    apply_factories(sharded_state_dict)
+    objects, tensors, common = _split_state_dict(sharded_state_dict)
+    local_metadata = _local_metadata(objects, uri) + _local_metadata(tensors, uri)
+    if validate_access_integrity:
+        validate_sharding_integrity(dist.all_gather_object(local_metadata), uri)
+    error: BaseException | None = None
+    try:
+        sharded_strategy.save(tensors, uri)
+        if dist.get_rank() == 0:
+            common_strategy.save_common(common, uri)
+        common_strategy.save_sharded_objects(objects, uri)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        logger.error("rank %d failed to save %s: %s", dist.get_rank(), uri, exc)
+        error = exc
+    dist.raise_if_any_rank_failed(error, f"saving checkpoint {uri!r}")
+    _commit(storage, sharded_strategy, common_strategy)
+    logger.info("saved checkpoint %s in %.2f s", uri, time.perf_counter() - started)
+
+
+def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, int]) -> Any:
+    if strategy is None:
+        strategy = default
+    if isinstance(strategy, tuple):
+        return get_default_strategy(action, *strategy)
+    return strategy
+
+
+def _require_empty_destination(storage: CheckpointStorage) -> None:
+    error = None
+    if dist.get_rank() == 0 and not storage.is_empty():
+        error = CheckpointingException(
+            f"checkpoint destination {storage.uri!r} is not empty; refusing to overwrite "
+            "(choose a new URI or remove the old checkpoint)"
+        )
+    dist.raise_if_any_rank_failed(error, "checking the checkpoint destination")
+
+
+def _commit(storage: CheckpointStorage, sharded: Any, common: Any) -> None:
+    """Rank 0 writes ``metadata.json`` after every rank's data; all ranks then return."""
+    error = None
+    if dist.get_rank() == 0:
+        config = CheckpointingConfig(sharded.backend, sharded.version, common.backend, common.version)
+        try:
+            save_config(config, storage)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    dist.raise_if_any_rank_failed(error, f"writing {CONFIG_FNAME} of {storage.uri!r}")
+
+
+def _load_strategies(
+    storage: CheckpointStorage,
+    sharded_strategy: LoadShardedStrategy | None,
+    common_strategy: LoadCommonStrategy | None,
+    storage_options: dict[str, Any] | None,
+) -> tuple[Any, Any]:
+    """The strategies to read this checkpoint with, checked against its metadata.json."""
+    config = load_config(storage)
+    if sharded_strategy is None:
+        sharded_strategy = get_default_strategy(
+            StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+        )
+    if common_strategy is None:
+        common_strategy = get_default_strategy(
+            StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+        )
+    check_compatibility(sharded_strategy, config.sharded_backend, config.sharded_backend_version,
+                        storage.uri)
+    check_compatibility(common_strategy, config.common_backend, config.common_backend_version,
+                        storage.uri)
+    return _with_storage(sharded_strategy, storage_options), _with_storage(common_strategy,
+                                                                           storage_options)
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str,
+    sharded_strategy: LoadShardedStrategy | None = None,
+    common_strategy: LoadCommonStrategy | None = None,
+    validate_access_integrity: bool = True,
+    strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> LoadResult:
+    """Load a checkpoint into the layout ``sharded_state_dict`` describes. Collective.
+
+    Args:
+        sharded_state_dict: what to load: ShardedTensors (any sharding; data, if
+            given, only sets the device), ShardedObjects, ShardedTensorFactories,
+            LocalNonpersistentObjects (returned unwrapped, not read).
+        checkpoint_dir: the checkpoint URI or local path.
+        sharded_strategy / common_strategy: override the strategies chosen from the
+            checkpoint's metadata.json (they must be compatible with it).
+        validate_access_integrity: validate the requested sharding across ranks.
+        strict: a StrictHandling mode, or its value as a string.
+        storage_options: fsspec options for the URI's filesystem.
+
+    Returns:
+        The loaded state dict (common state merged with the loaded shards), or with a
+        ``RETURN_*`` mode, ``(state_dict, missing_keys, unexpected_keys)``.
+
+    Raises:
+        CheckpointNotFoundError: nothing at the URI, or a requested key is absent.
+        UncommittedCheckpointError: the checkpoint was never committed.
+        MissingKeysError / UnexpectedKeysError: per ``strict``.
+    """
+    started = time.perf_counter()
+    uri = checkpoint_uri(checkpoint_dir)
+    strict = parse_strict_flag(strict)
+    storage = _open(uri, sharded_strategy, storage_options)
+    sharded_strategy, common_strategy = _load_strategies(
+        storage, sharded_strategy, common_strategy, storage_options
+    )
+    common_state = common_strategy.load_common(uri)
+    nonpersistent, requested = extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+    )
+    factories, _ = extract_matching_values(
+        requested, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True
+    )
+    apply_factories(requested)
+    sharded, _ = extract_matching_values(requested, lambda v: isinstance(v, ShardedBase))
+    sharded, missing, unexpected = _apply_strictness(
+        sharded, uri, strict, validate_access_integrity,
+        lambda: load_sharded_metadata(uri, sharded_strategy, common_strategy),
+    )
+    objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
+    loaded = sharded_strategy.load(tensors, uri)
+    if objects:
+        merge(loaded, common_strategy.load_sharded_objects(objects, uri))
+    apply_factory_merges(loaded, factories)
+    merge(common_state, loaded)
+    merge(common_state, _unwrap(nonpersistent))
+    logger.info("loaded checkpoint %s in %.2f s", uri, time.perf_counter() - started)
+    if strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
+        return common_state, missing, unexpected
+    return common_state
+
+
+def _unwrap(nonpersistent: StateDict) -> StateDict:
+    from cloudckpt.dict_utils import dict_list_map_outplace
+
+    return dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent)  # type: ignore[no-any-return]
+
+
+def _apply_strictness(
+    sharded: ShardedStateDict,
+    uri: str,
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    checkpoint_metadata: Callable[[], ShardedStateDict],
+) -> tuple[ShardedStateDict, set[str], set[str]]:
+    """Validate the requested sharding and handle missing / unexpected keys per ``strict``."""
+    local = _local_metadata(sharded, uri)
+    needs_global = validate_access_integrity or strict != StrictHandling.ASSUME_OK_UNEXPECTED
+    global_metadata = dist.all_gather_object(local) if needs_global else [local]
+    if validate_access_integrity:
+        validate_sharding_integrity(global_metadata, uri)
+    if strict == StrictHandling.ASSUME_OK_UNEXPECTED:
+        return sharded, set(), set()
+    stored = {sh.key for sh in checkpoint_metadata().values()}
+    missing = {sh.key for sh in local} - stored
+    unexpected = stored - {sh.key for shards in global_metadata for sh in shards}
+    _report_mismatch(uri, strict, missing, unexpected)
+    if missing and strict in DROPS_MISSING:
+        _, sharded = extract_matching_values(
+            sharded, lambda v: isinstance(v, ShardedBase) and v.key in missing
+        )
+    return sharded, missing, unexpected
+
+
+def _report_mismatch(uri: str, strict: StrictHandling, missing: set[str], unexpected: set[str]) -> None:
+    where = f"checkpoint {uri!r}, rank {dist.get_rank()}"
+    if strict in (StrictHandling.RAISE_ALL,) and missing:
+        raise MissingKeysError(f"{where}: requested keys not in the checkpoint: {sorted(missing)}")
+    if strict in (StrictHandling.RAISE_ALL, StrictHandling.RAISE_UNEXPECTED) and unexpected:
+        raise UnexpectedKeysError(
+            f"{where}: checkpoint keys requested by no rank: {sorted(unexpected)}"
+        )
+    if strict in (StrictHandling.LOG_ALL,) and missing:
+        logger.warning("%s: requested keys not in the checkpoint: %s", where, sorted(missing))
+    if strict in (StrictHandling.LOG_ALL, StrictHandling.LOG_UNEXPECTED) and unexpected:
+        logger.warning("%s: checkpoint keys requested by no rank: %s", where, sorted(unexpected))
+
+
+def load_common_state_dict(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> StateDict:
+    """Load only the common (non-sharded) state of a checkpoint."""
+    uri = checkpoint_uri(checkpoint_dir)
+    _, common = _load_strategies(_open(uri, None, storage_options), None, None, storage_options)
+    return common.load_common(uri)  # type: ignore[no-any-return]
+
+
+def load_tensors_metadata(
+    checkpoint_dir: str,
+    sharded_strategy: LoadShardedStrategy | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> ShardedStateDict:
+    """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data)."""
+    uri = checkpoint_uri(checkpoint_dir)
+    sharded, _ = _load_strategies(_open(uri, sharded_strategy, storage_options), sharded_strategy,
+                                  None, storage_options)
+    return sharded.load_tensors_metadata(uri)  # type: ignore[no-any-return]
+
+
+def load_sharded_metadata(
+    checkpoint_dir: str,
+    sharded_strategy: LoadShardedStrategy | None = None,
+    common_strategy: LoadCommonStrategy | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> ShardedStateDict:
+    """Metadata (no data) of every stored ShardedTensor and ShardedObject.
+
+    Keys are tensor keys and, for objects, their ``unique_key``.
+    """
+    uri = checkpoint_uri(checkpoint_dir)
+    sharded, common = _load_strategies(_open(uri, sharded_strategy, storage_options),
+                                       sharded_strategy, common_strategy, storage_options)
+    metadata = dict(sharded.load_sharded_metadata(uri))
+    if not sharded.can_handle_sharded_objects:
+        metadata.update(common.load_sharded_metadata(uri))
+    return metadata
+
+
+def load_plain_tensors(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> StateDict:
+    """Load every stored tensor whole (plus the common state), without a sharding spec."""
+    metadata = load_tensors_metadata(checkpoint_dir, storage_options=storage_options)
+    for sh in metadata.values():
+        if isinstance(sh, ShardedTensor):
+            sh.data = None
+    return load(metadata, checkpoint_dir, validate_access_integrity=False,  # type: ignore[return-value]
+                storage_options=storage_options)
+
+
+def remove_sharded_tensors(
+    checkpoint_dir: str, key_prefix: str, *, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Delete every stored tensor whose key starts with ``key_prefix``."""
+    uri = checkpoint_uri(checkpoint_dir)
+    sharded, _ = _load_strategies(_open(uri, None, storage_options), None, None, storage_options)
+    sharded.remove_sharded_tensors(uri, key_prefix)
+
+
+def check_is_distributed_checkpoint(
+    checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None
+) -> bool:
+    """True when ``checkpoint_dir`` holds a committed checkpoint (its metadata.json)."""
+    storage = _open(checkpoint_uri(checkpoint_dir), None, storage_options)
+    return storage.exists(CONFIG_FNAME)

@@ -1,0 +1,203 @@
+"""Common-state backend ("torch", version 1): ``common.pt`` and ShardedObject files.
+
+Rank 0 saves the common (non-sharded) state dict as ``<uri>/common.pt``; every rank
+saves its main-replica ShardedObjects as ``<uri>/<key>/shard_<offsets>_<shape>.pt``
+(the object's ``unique_key`` plus ``.pt``). Both are ``torch.save`` bytes, written
+and read through :mod:`cloudckpt.storage`, the same layout as Megatron-Core.
+
+Loading unpickles (``torch.load(weights_only=False)``, as Megatron-Core does):
+only load checkpoints you trust, or pass ``weights_only=True`` to the load strategy
+when the common state holds only tensors and primitive types.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+from typing import Any
+
+import fsspec
+import torch
+
+from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+)
+from cloudckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult, open_checkpoint
+from cloudckpt.strategies.base import (
+    LoadCommonStrategy,
+    SaveCommonStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "torch"
+VERSION = 1
+COMMON_STATE_FNAME = "common.pt"
+_SHARD_FILE = re.compile(r"(^|/)shard_[0-9.]*_[0-9.]*\.pt$")
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+class _StorageBacked:
+    """Holds the optional filesystem / storage options of a strategy."""
+
+    fs: fsspec.AbstractFileSystem | None
+    storage_options: dict[str, Any] | None
+
+    def _storage(self, checkpoint_dir: str) -> CheckpointStorage:
+        return open_checkpoint(os.fspath(checkpoint_dir), self.fs, self.storage_options)
+
+
+class TorchCommonSaveStrategy(_StorageBacked, SaveCommonStrategy):
+    """Save common state and ShardedObjects with ``torch.save`` through the storage layer."""
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        fs: fsspec.AbstractFileSystem | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(backend, version)
+        self.fs = fs
+        self.storage_options = storage_options
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """This strategy saves ShardedObjects."""
+        return True
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: str) -> list[WriteResult]:
+        """Write ``common.pt`` (call on the coordinating rank only)."""
+        storage = self._storage(checkpoint_dir)
+        return [storage.write(COMMON_STATE_FNAME, _dumps(common_state_dict))]
+
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str
+    ) -> list[WriteResult]:
+        """Write this rank's main-replica ShardedObjects, one object each."""
+        storage = self._storage(checkpoint_dir)
+        writes = [
+            (f"{obj.unique_key}.pt", _dumps(obj.data))
+            for obj in nested_values(sharded_objects_state_dict)
+            if isinstance(obj, ShardedObject) and is_main_replica(obj.replica_id)
+        ]
+        return storage.write_many(writes)
+
+
+class TorchCommonLoadStrategy(_StorageBacked, LoadCommonStrategy):
+    """Load ``common.pt`` and ShardedObjects.
+
+    Args:
+        weights_only: passed to ``torch.load``; False (Megatron-Core's behaviour) allows
+            arbitrary pickled objects such as ``argparse.Namespace``.
+    """
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        fs: fsspec.AbstractFileSystem | None = None,
+        storage_options: dict[str, Any] | None = None,
+        weights_only: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.version = version
+        self.fs = fs
+        self.storage_options = storage_options
+        self.weights_only = weights_only
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """This strategy loads ShardedObjects."""
+        return True
+
+    def _loads(self, raw: bytes) -> Any:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=self.weights_only)
+
+    def load_common(self, checkpoint_dir: str) -> StateDict:
+        """Read and unpickle ``common.pt``."""
+        storage = self._storage(checkpoint_dir)
+        try:
+            raw = storage.read(COMMON_STATE_FNAME)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"checkpoint {storage.uri!r} has no {COMMON_STATE_FNAME} (common state)"
+            ) from exc
+        state = self._loads(raw)
+        if not isinstance(state, dict):
+            raise CheckpointingException(
+                f"{storage.child_uri(COMMON_STATE_FNAME)} holds a {type(state).__name__}, not a dict"
+            )
+        return state
+
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str
+    ) -> StateDict:
+        """Return the state dict with every ShardedObject replaced by its stored value."""
+        storage = self._storage(checkpoint_dir)
+        objects = [o for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)]
+        try:
+            raws = storage.read_many([ReadRequest(f"{o.unique_key}.pt") for o in objects])
+        except CheckpointNotFoundError as exc:
+            raise self._missing_object_error(storage, objects) from exc
+        loaded = {id(o): self._loads(raw) for o, raw in zip(objects, raws)}
+
+        def replace(value: Any) -> Any:
+            return loaded[id(value)] if isinstance(value, ShardedObject) else value
+
+        return dict_list_map_outplace(replace, sharded_objects_state_dict)
+
+    def _missing_object_error(
+        self, storage: CheckpointStorage, objects: list[ShardedObject]
+    ) -> CheckpointNotFoundError:
+        present = set(storage.list())
+        missing = [o.unique_key for o in objects if f"{o.unique_key}.pt" not in present]
+        keys = {o.key for o in objects}
+        stored = sorted(p[:-3] for p in present if _SHARD_FILE.search(p) and p.rsplit("/", 1)[0] in keys)
+        return CheckpointNotFoundError(
+            f"sharded object(s) {missing} not found in checkpoint {storage.uri!r}; "
+            f"stored shards of these keys: {stored or 'none'}"
+        )
+
+    def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """``{unique_key: ShardedObject}`` (no data) for every stored ShardedObject."""
+        storage = self._storage(checkpoint_dir)
+        out: ShardedStateDict = {}
+        for path in storage.list():
+            if _SHARD_FILE.search(path) and "/" in path:
+                obj = ShardedObject.empty_from_unique_key(path[: -len(".pt")])
+                out[obj.unique_key] = obj
+        return out
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raise unless the common state was written by the "torch" backend."""
+        if loaded_backend != BACKEND:
+            raise IncompatibleCheckpointError(
+                f"{type(self).__name__} reads common backend {BACKEND!r}, checkpoint has "
+                f"{loaded_backend!r}"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raise unless the common-state format version is 1."""
+        if loaded_version != VERSION:
+            raise IncompatibleCheckpointError(
+                f"{type(self).__name__} reads common backend version {VERSION}, checkpoint "
+                f"has {loaded_version!r}"
+            )
+
+
+register_default_strategy(StrategyAction.SAVE_COMMON, BACKEND, VERSION, TorchCommonSaveStrategy())
+register_default_strategy(StrategyAction.LOAD_COMMON, BACKEND, VERSION, TorchCommonLoadStrategy())

@@ -1,0 +1,279 @@
+"""Zarr backend ("zarr", version 1): one zarr v2 array per ShardedTensor key.
+
+Byte-compatible with Megatron-Core 0.15's zarr backend: ``<key>/.zarray`` plus one
+object per chunk, the chunk being the local shard shape. Each main-replica chunk is
+written exactly once, by the rank that holds it; chunks of flattened tensors
+(distributed-optimizer state split into flat ranges over data-parallel ranks) are
+first assembled on one rank (see :mod:`cloudckpt.planning`). Chunk bytes go through
+:mod:`cloudckpt.storage`, so any fsspec URI works. Loading reshards: each requested
+shard reads the chunks (and, for raw chunks, only the rows) it overlaps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+import torch
+
+from cloudckpt import dist
+from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+)
+from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
+from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
+from cloudckpt.strategies.base import (
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+from cloudckpt.validation import chunk_index, chunk_shape
+from cloudckpt.zarr_format import ZARRAY, ArrayMeta, encode_dtype, tensor_bytes
+from cloudckpt.zarr_reader import TensorReader
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "zarr"
+VERSION = 1
+
+Write = tuple[str, Any]  # (relative path, buffer)
+ChunkId = tuple[str, tuple[int, ...]]  # (tensor key, chunk index)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of a device tensor; CPU tensors are returned as they are.
+
+    The device-to-host copy is synchronous: when this returns, the bytes are on the
+    host and the training step may modify the device tensor again.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    return tensor.contiguous()
+
+
+def _array_meta(sh: ShardedTensor) -> ArrayMeta:
+    encode_dtype(sh.dtype, sh.key)  # fail early, naming the key, on an unsupported dtype
+    return ArrayMeta(shape=tuple(sh.global_shape), chunks=chunk_shape(sh), dtype=sh.dtype)
+
+
+def _chunk_path(sh: ShardedTensor, meta: ArrayMeta, index: tuple[int, ...]) -> str:
+    return f"{sh.key}/{meta.chunk_key(index)}"
+
+
+class ZarrSaveShardedStrategy(SaveShardedStrategy):
+    """Save ShardedTensors as zarr v2 arrays through the storage layer.
+
+    Args:
+        backend: must be "zarr".
+        version: format version (1).
+        fs: an fsspec filesystem to use instead of resolving one from the URI.
+        storage_options: options for the filesystem resolved from the URI.
+    """
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        fs: fsspec.AbstractFileSystem | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(backend, version)
+        self.fs = fs
+        self.storage_options = storage_options
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> list[WriteResult]:
+        """Write this rank's main-replica chunks; collective when tensors are flattened.
+
+        Returns:
+            One WriteResult per object this rank wrote.
+        """
+        storage = open_checkpoint(os.fspath(checkpoint_dir), self.fs, self.storage_options)
+        tensors = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+        flat = [t for t in tensors if t.flattened_range is not None]
+        writes = []
+        if dist.all_reduce_int(int(bool(flat)), op="max"):  # collective: any rank with flat ones
+            writes = self._flat_writes(flat)
+        writes += self._regular_writes([t for t in tensors if t.flattened_range is None])
+        return storage.write_many(writes)
+
+    def _regular_writes(self, tensors: list[ShardedTensor]) -> list[Write]:
+        writes: list[Write] = []
+        for sh in tensors:
+            if not is_main_replica(sh.replica_id):
+                continue
+            if sh.data is None:
+                raise CheckpointingException(f"tensor {sh.key!r} has no data to save")
+            meta, index = _array_meta(sh), _require_index(sh)
+            writes.extend(_zarray_write(sh, meta, index))
+            writes.append((_chunk_path(sh, meta, index), tensor_bytes(_to_host(sh.data))))
+        return writes
+
+    def _flat_writes(self, tensors: list[ShardedTensor]) -> list[Write]:
+        """Assemble flattened chunks on their planned ranks and return the writes."""
+        gathered = dist.all_gather_object([t.without_data() for t in tensors])
+        error: BaseException | None = None
+        mine: dict[ChunkId, dict[int, ShardedTensor]] = defaultdict(dict)
+        try:
+            for t in tensors:
+                if is_main_replica(t.replica_id):
+                    mine[(t.key, _require_index(t))][t.flattened_range.start] = t  # type: ignore[union-attr]
+            buffers, sends, recvs = _exchange_plan(plan_flat_chunks(gathered), mine, dist.get_rank())
+        except Exception as exc:  # noqa: BLE001 - peers must not wait for our transfers
+            error = exc
+        dist.raise_if_any_rank_failed(error, "planning the assembly of flattened chunks")
+        dist.exchange_tensors(sends, recvs)
+        writes: list[Write] = []
+        for plan, buffer in buffers:
+            sample = next(iter(mine[(plan.key, plan.index)].values()))
+            meta = _array_meta(sample)
+            writes.extend(_zarray_write(sample, meta, plan.index))
+            writes.append((_chunk_path(sample, meta, plan.index), tensor_bytes(buffer)))
+        return writes
+
+
+def _require_index(sh: ShardedTensor) -> tuple[int, ...]:
+    index = chunk_index(sh)
+    if index is None:
+        raise CheckpointingException(
+            f"tensor {sh.key!r}: offset {tuple(sh.global_offset)} is not on the chunk grid of "
+            f"local shape {tuple(sh.local_shape)}; the zarr backend needs a regular grid"
+        )
+    return index
+
+
+def _zarray_write(sh: ShardedTensor, meta: ArrayMeta, index: tuple[int, ...]) -> list[Write]:
+    """The ``.zarray`` object, written by whoever writes chunk (0, ..., 0)."""
+    return [(f"{sh.key}/{ZARRAY}", meta.to_json())] if not any(index) else []
+
+
+def _exchange_plan(
+    plans: list[FlatChunkPlan], mine: dict[ChunkId, dict[int, ShardedTensor]], rank: int
+) -> tuple[list[tuple[FlatChunkPlan, torch.Tensor]], list[dist.Transfer], list[dist.Transfer]]:
+    """Chunk buffers this rank assembles, and the transfers that fill them.
+
+    The tag of a transfer is its position among all pieces of all plans, which every
+    rank computes identically, so sends and receives pair up.
+    """
+    buffers: list[tuple[FlatChunkPlan, torch.Tensor]] = []
+    sends: list[dist.Transfer] = []
+    recvs: list[dist.Transfer] = []
+    tag = 0
+    for plan in plans:
+        local = mine.get((plan.key, plan.index), {})
+        buffer = None
+        if plan.assembler == rank:
+            sample = next(iter(local.values()))
+            buffer = torch.empty(chunk_shape(sample), dtype=sample.dtype)
+            buffers.append((plan, buffer))
+        for piece in plan.pieces:
+            tag += 1
+            if piece.rank == rank:
+                data = _to_host(local[piece.start].data)  # type: ignore[arg-type]
+                if buffer is None:
+                    sends.append((plan.assembler, tag, data))
+                else:
+                    buffer.view(-1)[piece.start : piece.stop] = data
+            elif buffer is not None:
+                recvs.append((piece.rank, tag, buffer.view(-1)[piece.start : piece.stop]))
+    return buffers, sends, recvs
+
+
+class ZarrLoadShardedStrategy(LoadShardedStrategy):
+    """Load ShardedTensors from zarr v2 arrays, resharding as needed.
+
+    Reads checkpoints written by cloudckpt and by Megatron-Core's zarr backend
+    (compressed chunks included).
+    """
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        fs: fsspec.AbstractFileSystem | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.version = version
+        self.fs = fs
+        self.storage_options = storage_options
+
+    def _storage(self, checkpoint_dir: str) -> CheckpointStorage:
+        return open_checkpoint(os.fspath(checkpoint_dir), self.fs, self.storage_options)
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> StateDict:
+        """Return ``sharded_state_dict`` with every ShardedTensor replaced by its data."""
+        reader = TensorReader(self._storage(checkpoint_dir))
+        tensors = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+        loaded = reader.load_all(tensors)
+
+        def replace(value: Any) -> Any:
+            return loaded[id(value)] if isinstance(value, ShardedTensor) else value
+
+        return dict_list_map_outplace(replace, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """``{key: ShardedTensor}`` (meta-device data, one shard) for every stored array."""
+        storage = self._storage(checkpoint_dir)
+        metas = TensorReader(storage).all_array_metas()
+        return {
+            key: ShardedTensor.from_rank_offsets(
+                key, torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+            )
+            for key, meta in metas.items()
+        }
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Delete every array whose key starts with ``key_prefix``."""
+        storage = self._storage(checkpoint_dir)
+        for key in TensorReader(storage).array_keys():
+            if key.startswith(key_prefix):
+                logger.info("removing tensor %s from %s", key, storage.uri)
+                storage.delete(key, recursive=True)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raise unless the checkpoint was written by the zarr backend."""
+        if loaded_backend != BACKEND:
+            raise IncompatibleCheckpointError(
+                f"{type(self).__name__} reads backend {BACKEND!r}, checkpoint has {loaded_backend!r}"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raise unless the checkpoint's zarr format version is one this strategy reads."""
+        if loaded_version != VERSION:
+            raise IncompatibleCheckpointError(
+                f"{type(self).__name__} reads zarr format version {VERSION}, "
+                f"checkpoint has version {loaded_version!r}"
+            )
+
+
+def load_zarr_based_sharded_metadata(
+    checkpoint_dir: str, get_shape_dtype_fn: Callable[[str], tuple[tuple[int, ...], torch.dtype]]
+) -> ShardedStateDict:
+    """Megatron-compatible helper: metadata of every array via ``get_shape_dtype_fn(key)``."""
+    storage = open_checkpoint(checkpoint_dir)
+    out: ShardedStateDict = {}
+    for key in TensorReader(storage).array_keys():
+        shape, dtype = get_shape_dtype_fn(key)
+        out[key] = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype, device="meta"))
+    if not out:
+        raise CheckpointNotFoundError(f"no zarr arrays found in {checkpoint_dir!r}")
+    return out
+
+
+def register_default_zarr_strategies() -> None:
+    """Register the zarr save and load strategies as defaults for ("zarr", 1)."""
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, ZarrSaveShardedStrategy())
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, ZarrLoadShardedStrategy())
+
+
+register_default_zarr_strategies()
