@@ -20,7 +20,13 @@ from typing import Any
 from cloudckpt import dist
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, load_config, save_config
 from cloudckpt.dict_utils import extract_matching_values, merge, nested_values
-from cloudckpt.errors import CheckpointingException, MissingKeysError, UnexpectedKeysError
+from cloudckpt.errors import (
+    CheckpointingException,
+    IncompatibleCheckpointError,
+    MissingKeysError,
+    StrategyNotFoundError,
+    UnexpectedKeysError,
+)
 from cloudckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -187,12 +193,12 @@ def _load_strategies(
     """The strategies to read this checkpoint with, checked against its metadata.json."""
     config = load_config(storage)
     if sharded_strategy is None:
-        sharded_strategy = get_default_strategy(
-            StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+        sharded_strategy = _registered_loader(
+            storage, StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
         )
     if common_strategy is None:
-        common_strategy = get_default_strategy(
-            StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+        common_strategy = _registered_loader(
+            storage, StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
         )
     check_compatibility(sharded_strategy, config.sharded_backend, config.sharded_backend_version,
                         storage.uri)
@@ -200,6 +206,18 @@ def _load_strategies(
                         storage.uri)
     return _with_storage(sharded_strategy, storage_options), _with_storage(common_strategy,
                                                                            storage_options)
+
+
+def _registered_loader(
+    storage: CheckpointStorage, action: StrategyAction, backend: str, version: int
+) -> Any:
+    try:
+        return get_default_strategy(action, backend, version)
+    except StrategyNotFoundError as exc:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {storage.uri!r} was written with backend {backend!r} version {version}, "
+            f"which this cloudckpt cannot read: {exc}"
+        ) from exc
 
 
 def load(
