@@ -50,7 +50,9 @@ class CheckpointingConfig:
             doc = json.loads(raw)
             return cls(**doc)
         except (ValueError, TypeError) as exc:
-            raise CheckpointingException(f"{where} is not a valid checkpoint config: {exc}") from exc
+            raise CheckpointingException(
+                f"{where} is not a valid checkpoint config: {exc}"
+            ) from exc
 
 
 def save_config(config: CheckpointingConfig, storage: CheckpointStorage) -> WriteResult:
@@ -62,7 +64,9 @@ def maybe_load_config(storage: CheckpointStorage) -> CheckpointingConfig | None:
     """The checkpoint's config, or None when ``metadata.json`` does not exist."""
     if not storage.exists(CONFIG_FNAME):
         return None
-    return CheckpointingConfig.from_json(storage.read(CONFIG_FNAME), storage.child_uri(CONFIG_FNAME))
+    return CheckpointingConfig.from_json(
+        storage.read(CONFIG_FNAME), storage.child_uri(CONFIG_FNAME)
+    )
 
 
 def load_config(storage: CheckpointStorage) -> CheckpointingConfig:

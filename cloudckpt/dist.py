@@ -115,16 +115,19 @@ def exchange_tensors(sends: list[Transfer], recvs: list[Transfer], group: Any = 
     if not sends and not recvs:
         return
     device = _p2p_device(group)
-    pending = []
+    pending: list[Any] = []
     for peer, tag, tensor in sends:
         payload = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
         pending.append(torch_dist.isend(payload, peer, group=group, tag=tag))
     staged = []
     for peer, tag, tensor in recvs:
-        buffer = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8, device=device)
+        buffer = torch.empty(
+            tensor.numel() * tensor.element_size(), dtype=torch.uint8, device=device
+        )
         staged.append((buffer, tensor))
         pending.append(torch_dist.irecv(buffer, peer, group=group, tag=tag))
     for work in pending:
-        work.wait()
+        if work is not None:  # None only for a rank outside ``group``
+            work.wait()
     for buffer, tensor in staged:
         tensor.reshape(-1).view(torch.uint8).copy_(buffer)

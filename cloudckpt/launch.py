@@ -31,18 +31,16 @@ _STOP = "__stop__"
 
 
 def _init_group(rank: int, world_size: int, store_file: str) -> None:
-    import torch.distributed as torch_dist
+    import torch.distributed as torch_dist  # noqa: PLC0415 - imported in the rank process only
 
     torch_dist.init_process_group(
         "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size
     )
 
 
-def _worker(
-    rank: int, world_size: int, store_file: str, tasks: Any, results: Any
-) -> None:
+def _worker(rank: int, world_size: int, store_file: str, tasks: Any, results: Any) -> None:
     """Rank main loop: take (fn, args) tasks until told to stop; report each outcome."""
-    import torch.distributed as torch_dist
+    import torch.distributed as torch_dist  # noqa: PLC0415 - imported in the rank process only
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _init_group(rank, world_size, store_file)

@@ -19,7 +19,12 @@ from typing import Any
 
 from cloudckpt import dist
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, load_config, save_config
-from cloudckpt.dict_utils import extract_matching_values, merge, nested_values
+from cloudckpt.dict_utils import (
+    dict_list_map_outplace,
+    extract_matching_values,
+    merge,
+    nested_values,
+)
 from cloudckpt.errors import (
     CheckpointingException,
     IncompatibleCheckpointError,
@@ -68,7 +73,11 @@ LoadResult = StateDict | tuple[StateDict, set[str], set[str]]
 
 def _with_storage(strategy: Any, storage_options: dict[str, Any] | None) -> Any:
     """A copy of a registered strategy that uses ``storage_options`` (the registry's is shared)."""
-    if storage_options and getattr(strategy, "fs", None) is None and hasattr(strategy, "storage_options"):
+    if (
+        storage_options
+        and getattr(strategy, "fs", None) is None
+        and hasattr(strategy, "storage_options")
+    ):
         strategy = copy.copy(strategy)
         strategy.storage_options = storage_options
     return strategy
@@ -129,11 +138,15 @@ def save(
     """
     started = time.perf_counter()
     uri = checkpoint_uri(checkpoint_dir)
-    sharded_strategy = _with_storage(_save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy,
-                                                    DEFAULT_SHARDED_BACKEND), storage_options)
-    common_strategy = _with_storage(_save_strategy(StrategyAction.SAVE_COMMON, common_strategy,
-                                                   DEFAULT_COMMON_BACKEND), storage_options)
-    storage = _open(uri, sharded_strategy, storage_options)
+    sharded_saver: SaveShardedStrategy = _with_storage(
+        _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, DEFAULT_SHARDED_BACKEND),
+        storage_options,
+    )
+    common_saver: SaveCommonStrategy = _with_storage(
+        _save_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND),
+        storage_options,
+    )
+    storage = _open(uri, sharded_saver, storage_options)
     _require_empty_destination(storage)
     apply_factories(sharded_state_dict)
     objects, tensors, common = _split_state_dict(sharded_state_dict)
@@ -142,15 +155,15 @@ def save(
         validate_sharding_integrity(dist.all_gather_object(local_metadata), uri)
     error: BaseException | None = None
     try:
-        sharded_strategy.save(tensors, uri)
+        sharded_saver.save(tensors, uri)
         if dist.get_rank() == 0:
-            common_strategy.save_common(common, uri)
-        common_strategy.save_sharded_objects(objects, uri)
+            common_saver.save_common(common, uri)
+        common_saver.save_sharded_objects(objects, uri)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         logger.error("rank %d failed to save %s: %s", dist.get_rank(), uri, exc)
         error = exc
     dist.raise_if_any_rank_failed(error, f"saving checkpoint {uri!r}")
-    _commit(storage, sharded_strategy, common_strategy)
+    _commit(storage, sharded_saver, common_saver)
     logger.info("saved checkpoint %s in %.2f s", uri, time.perf_counter() - started)
 
 
@@ -176,7 +189,9 @@ def _commit(storage: CheckpointStorage, sharded: Any, common: Any) -> None:
     """Rank 0 writes ``metadata.json`` after every rank's data; all ranks then return."""
     error = None
     if dist.get_rank() == 0:
-        config = CheckpointingConfig(sharded.backend, sharded.version, common.backend, common.version)
+        config = CheckpointingConfig(
+            sharded.backend, sharded.version, common.backend, common.version
+        )
         try:
             save_config(config, storage)
         except Exception as exc:  # noqa: BLE001
@@ -194,18 +209,27 @@ def _load_strategies(
     config = load_config(storage)
     if sharded_strategy is None:
         sharded_strategy = _registered_loader(
-            storage, StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+            storage,
+            StrategyAction.LOAD_SHARDED,
+            config.sharded_backend,
+            config.sharded_backend_version,
         )
     if common_strategy is None:
         common_strategy = _registered_loader(
-            storage, StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+            storage,
+            StrategyAction.LOAD_COMMON,
+            config.common_backend,
+            config.common_backend_version,
         )
-    check_compatibility(sharded_strategy, config.sharded_backend, config.sharded_backend_version,
-                        storage.uri)
-    check_compatibility(common_strategy, config.common_backend, config.common_backend_version,
-                        storage.uri)
-    return _with_storage(sharded_strategy, storage_options), _with_storage(common_strategy,
-                                                                           storage_options)
+    check_compatibility(
+        sharded_strategy, config.sharded_backend, config.sharded_backend_version, storage.uri
+    )
+    check_compatibility(
+        common_strategy, config.common_backend, config.common_backend_version, storage.uri
+    )
+    return _with_storage(sharded_strategy, storage_options), _with_storage(
+        common_strategy, storage_options
+    )
 
 
 def _registered_loader(
@@ -269,7 +293,10 @@ def load(
     apply_factories(requested)
     sharded, _ = extract_matching_values(requested, lambda v: isinstance(v, ShardedBase))
     sharded, missing, unexpected = _apply_strictness(
-        sharded, uri, strict, validate_access_integrity,
+        sharded,
+        uri,
+        strict,
+        validate_access_integrity,
         lambda: load_sharded_metadata(uri, sharded_strategy, common_strategy),
     )
     objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
@@ -286,9 +313,7 @@ def load(
 
 
 def _unwrap(nonpersistent: StateDict) -> StateDict:
-    from cloudckpt.dict_utils import dict_list_map_outplace
-
-    return dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent)  # type: ignore[no-any-return]
+    return dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent)
 
 
 def _apply_strictness(
@@ -317,7 +342,9 @@ def _apply_strictness(
     return sharded, missing, unexpected
 
 
-def _report_mismatch(uri: str, strict: StrictHandling, missing: set[str], unexpected: set[str]) -> None:
+def _report_mismatch(
+    uri: str, strict: StrictHandling, missing: set[str], unexpected: set[str]
+) -> None:
     where = f"checkpoint {uri!r}, rank {dist.get_rank()}"
     if strict in (StrictHandling.RAISE_ALL,) and missing:
         raise MissingKeysError(f"{where}: requested keys not in the checkpoint: {sorted(missing)}")
@@ -331,11 +358,13 @@ def _report_mismatch(uri: str, strict: StrictHandling, missing: set[str], unexpe
         logger.warning("%s: checkpoint keys requested by no rank: %s", where, sorted(unexpected))
 
 
-def load_common_state_dict(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> StateDict:
+def load_common_state_dict(
+    checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None
+) -> StateDict:
     """Load only the common (non-sharded) state of a checkpoint."""
     uri = checkpoint_uri(checkpoint_dir)
     _, common = _load_strategies(_open(uri, None, storage_options), None, None, storage_options)
-    return common.load_common(uri)  # type: ignore[no-any-return]
+    return common.load_common(uri)
 
 
 def load_tensors_metadata(
@@ -346,9 +375,10 @@ def load_tensors_metadata(
 ) -> ShardedStateDict:
     """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data)."""
     uri = checkpoint_uri(checkpoint_dir)
-    sharded, _ = _load_strategies(_open(uri, sharded_strategy, storage_options), sharded_strategy,
-                                  None, storage_options)
-    return sharded.load_tensors_metadata(uri)  # type: ignore[no-any-return]
+    sharded, _ = _load_strategies(
+        _open(uri, sharded_strategy, storage_options), sharded_strategy, None, storage_options
+    )
+    return sharded.load_tensors_metadata(uri)
 
 
 def load_sharded_metadata(
@@ -363,22 +393,32 @@ def load_sharded_metadata(
     Keys are tensor keys and, for objects, their ``unique_key``.
     """
     uri = checkpoint_uri(checkpoint_dir)
-    sharded, common = _load_strategies(_open(uri, sharded_strategy, storage_options),
-                                       sharded_strategy, common_strategy, storage_options)
+    sharded, common = _load_strategies(
+        _open(uri, sharded_strategy, storage_options),
+        sharded_strategy,
+        common_strategy,
+        storage_options,
+    )
     metadata = dict(sharded.load_sharded_metadata(uri))
     if not sharded.can_handle_sharded_objects:
         metadata.update(common.load_sharded_metadata(uri))
     return metadata
 
 
-def load_plain_tensors(checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None) -> StateDict:
+def load_plain_tensors(
+    checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None
+) -> StateDict:
     """Load every stored tensor whole (plus the common state), without a sharding spec."""
     metadata = load_tensors_metadata(checkpoint_dir, storage_options=storage_options)
     for sh in metadata.values():
         if isinstance(sh, ShardedTensor):
             sh.data = None
-    return load(metadata, checkpoint_dir, validate_access_integrity=False,  # type: ignore[return-value]
-                storage_options=storage_options)
+    return load(
+        metadata,
+        checkpoint_dir,
+        validate_access_integrity=False,  # type: ignore[return-value]
+        storage_options=storage_options,
+    )
 
 
 def remove_sharded_tensors(

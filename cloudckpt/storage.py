@@ -18,6 +18,7 @@ Many requests run concurrently in a thread pool bounded by one knob,
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import posixpath
@@ -162,11 +163,11 @@ class CheckpointStorage:
             if self._is_local:
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
             self.fs.pipe_file(path, view)
-        except Exception as exc:  # noqa: BLE001 - rewrapped with the URI
+        except Exception as exc:
             raise StorageError(f"failed to write {self.child_uri(relpath)}: {exc}") from exc
         return WriteResult(relpath, view.nbytes, checksum)
 
-    def write_many(self, items: Iterable[tuple[str, Buffer]]) -> list[WriteResult]:
+    def write_many(self, items: Iterable[tuple[str, Buffer]]) -> builtins.list[WriteResult]:
         """Write several objects concurrently (at most ``max_in_flight`` at once).
 
         Returns results in the order of ``items``. The first failure is raised after
@@ -174,7 +175,7 @@ class CheckpointStorage:
         """
         items = list(items)
         started = time.perf_counter()
-        results = self.map(lambda item: self.write(*item), items)
+        results: builtins.list[WriteResult] = self.map(lambda item: self.write(*item), items)
         _log_throughput("wrote", self.uri, sum(r.size for r in results), len(results), started)
         return results
 
@@ -194,13 +195,15 @@ class CheckpointStorage:
             return bytes(self.fs.cat_file(path, start=start, end=end))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist") from exc
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise StorageError(f"failed to read {self.child_uri(relpath)}: {exc}") from exc
 
-    def read_many(self, requests: Sequence[ReadRequest]) -> list[bytes]:
+    def read_many(self, requests: Sequence[ReadRequest]) -> builtins.list[bytes]:
         """Read several objects or ranges concurrently; results follow ``requests``."""
         started = time.perf_counter()
-        results = self.map(lambda r: self.read(r.path, r.start, r.end), requests)
+        results: builtins.list[bytes] = self.map(
+            lambda r: self.read(r.path, r.start, r.end), requests
+        )
         _log_throughput("read", self.uri, sum(len(b) for b in results), len(results), started)
         return results
 
@@ -210,17 +213,17 @@ class CheckpointStorage:
         """True when the object ``relpath`` exists."""
         try:
             return bool(self.fs.exists(self.full_path(relpath)))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise StorageError(f"failed to stat {self.child_uri(relpath)}: {exc}") from exc
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         """All object paths below the root (or below ``prefix``), relative, sorted."""
         base = self.full_path(prefix) if prefix else self.root
         try:
             found = self.fs.find(base, withdirs=False) if self.fs.exists(base) else []
         except FileNotFoundError:
             found = []
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise StorageError(f"failed to list {self.uri}: {exc}") from exc
         root = self.fs._strip_protocol(self.root).rstrip("/")
         prefix_len = len(root) + 1 if root else 0
@@ -237,12 +240,12 @@ class CheckpointStorage:
             self.fs.rm(path, recursive=recursive)
         except FileNotFoundError:
             return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise StorageError(f"failed to delete {self.child_uri(relpath)}: {exc}") from exc
 
     # -- concurrency -------------------------------------------------------------
 
-    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> builtins.list[R]:
         """Apply ``fn`` to ``items`` with at most ``max_in_flight`` running at once."""
         if len(items) <= 1 or self.max_in_flight == 1:
             return [fn(item) for item in items]
@@ -256,7 +259,12 @@ def _log_throughput(verb: str, uri: str, nbytes: int, count: int, started: float
     elapsed = max(time.perf_counter() - started, 1e-9)
     logger.debug(
         "%s %d objects, %.1f MB in %.3f s (%.1f MB/s) at %s",
-        verb, count, nbytes / 1e6, elapsed, nbytes / 1e6 / elapsed, uri,
+        verb,
+        count,
+        nbytes / 1e6,
+        elapsed,
+        nbytes / 1e6 / elapsed,
+        uri,
     )
 
 

@@ -16,6 +16,7 @@ All violations are reported together in one :class:`ShardingValidationError`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections import defaultdict
@@ -129,9 +130,11 @@ def chunk_shape(sh: ShardedTensor) -> tuple[int, ...]:
 def chunk_index(sh: ShardedTensor) -> tuple[int, ...] | None:
     """The shard's index in the chunk grid, or None if it is not aligned to the grid."""
     shape = chunk_shape(sh)
-    if any(off % size for off, size in zip(sh.global_offset, shape) if size):
+    if any(off % size for off, size in zip(sh.global_offset, shape, strict=True) if size):
         return None
-    return tuple(off // size if size else 0 for off, size in zip(sh.global_offset, shape))
+    return tuple(
+        off // size if size else 0 for off, size in zip(sh.global_offset, shape, strict=True)
+    )
 
 
 def _describe(ranks: Iterable[int]) -> str:
@@ -161,12 +164,14 @@ def _tensor_violations(key: str, entries: list[RankShard]) -> list[str]:
     first = entries[0][1]
     assert isinstance(first, ShardedTensor)
     shape = chunk_shape(first)
-    grid = tuple(math.ceil(g / c) if c else 1 for g, c in zip(first.global_shape, shape))
+    grid = tuple(
+        math.ceil(g / c) if c else 1 for g, c in zip(first.global_shape, shape, strict=True)
+    )
     cells: dict[tuple[int, ...], list[RankShard]] = defaultdict(list)
     for rank, sh in entries:
         assert isinstance(sh, ShardedTensor)
         index = chunk_index(sh)
-        if index is None or any(i >= n for i, n in zip(index, grid)):
+        if index is None or any(i >= n for i, n in zip(index, grid, strict=True)):
             out.append(
                 f"tensor {key!r}: shard on rank {rank} at offset {tuple(sh.global_offset)} is not "
                 f"aligned to the chunk grid of local shape {shape} in global shape "
@@ -188,8 +193,7 @@ def _coverage_violations(
     missing = [i for i in _grid_indices(grid) if i not in cells]
     if missing:
         out.append(
-            f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: "
-            f"{_listing(missing)}"
+            f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: {_listing(missing)}"
         )
     for index, ranks in sorted(cells.items()):
         if len(ranks) > 1:
@@ -206,22 +210,31 @@ def _flat_coverage_violations(
     out = []
     missing = [i for i in _grid_indices(grid) if i not in cells]
     if missing:
-        out.append(f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: {_listing(missing)}")
+        out.append(
+            f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: {_listing(missing)}"
+        )
     for index, pieces in sorted(cells.items()):
-        spans = sorted((sh.flattened_range.start, sh.flattened_range.stop, r)  # type: ignore[attr-defined]
-                       for r, sh in pieces)
+        spans = sorted(
+            (sh.flattened_range.start, sh.flattened_range.stop, r)  # type: ignore[attr-defined]
+            for r, sh in pieces
+        )
         position = 0
         for start, stop, rank in spans:
             if start > position:
-                out.append(f"tensor {key!r}: chunk {index} elements [{position}, {start}) are not saved")
+                out.append(
+                    f"tensor {key!r}: chunk {index} elements [{position}, {start}) are not saved"
+                )
             elif start < position:
                 out.append(
-                    f"tensor {key!r}: chunk {index} flattened range [{start}, {stop}) on rank {rank} "
+                    f"tensor {key!r}: chunk {index} flattened range [{start}, {stop}) "
+                    f"on rank {rank} "
                     f"overlaps another main replica"
                 )
             position = max(position, stop)
         if position < numel:
-            out.append(f"tensor {key!r}: chunk {index} elements [{position}, {numel}) are not saved")
+            out.append(
+                f"tensor {key!r}: chunk {index} elements [{position}, {numel}) are not saved"
+            )
     return out
 
 
@@ -248,8 +261,6 @@ def _object_violations(key: str, entries: list[RankShard]) -> list[str]:
 
 
 def _grid_indices(grid: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
-    import itertools
-
     return itertools.product(*(range(n) for n in grid))
 
 

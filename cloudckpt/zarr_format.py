@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numcodecs
 import numpy as np
 import torch
 
@@ -40,7 +41,9 @@ _TORCH_TO_ZARR: dict[torch.dtype, str] = {
 }
 _ZARR_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in _TORCH_TO_ZARR.items()}
 # Spellings of the same little-endian types other writers use.
-_ZARR_TO_TORCH.update({"<i1": torch.int8, "<u1": torch.uint8, "<b1": torch.bool, "<bf16": torch.bfloat16})
+_ZARR_TO_TORCH.update(
+    {"<i1": torch.int8, "<u1": torch.uint8, "<b1": torch.bool, "<bf16": torch.bfloat16}
+)
 
 
 def encode_dtype(dtype: torch.dtype, key: str = "") -> str:
@@ -96,7 +99,9 @@ class ArrayMeta:
     @property
     def grid(self) -> tuple[int, ...]:
         """Number of chunks along each axis."""
-        return tuple(math.ceil(s / c) if c else 0 for s, c in zip(self.shape, self.chunks))
+        return tuple(
+            math.ceil(s / c) if c else 0 for s, c in zip(self.shape, self.chunks, strict=True)
+        )
 
     @property
     def is_raw(self) -> bool:
@@ -149,9 +154,9 @@ class ArrayMeta:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor's memory, made contiguous first if needed (no copy otherwise)."""
+    """The raw bytes of a CPU tensor's memory (copied only if it is not contiguous)."""
     flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def bytes_to_tensor(raw: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -174,17 +179,13 @@ def decode_chunk(meta: ArrayMeta, raw: bytes, where: str = "") -> torch.Tensor:
         )
     flat = bytes_to_tensor(raw, meta.dtype)
     if meta.order == "F":
-        return flat.reshape(tuple(reversed(meta.chunks))).permute(*reversed(range(len(meta.chunks))))
+        return flat.reshape(tuple(reversed(meta.chunks))).permute(
+            *reversed(range(len(meta.chunks)))
+        )
     return flat.reshape(meta.chunks)
 
 
 def _decompress(meta: ArrayMeta, raw: bytes, where: str) -> bytes:
-    try:
-        import numcodecs
-    except ImportError as exc:  # pragma: no cover - numcodecs comes with zarr
-        raise IncompatibleCheckpointError(
-            f"{where}: compressed chunks need the numcodecs package"
-        ) from exc
     data: Any = raw
     if meta.compressor is not None:
         data = numcodecs.get_codec(meta.compressor).decode(data)
@@ -213,14 +214,16 @@ def overlapping_chunks(
 ) -> Iterator[ChunkOverlap]:
     """Every chunk that intersects the box ``[offset, offset + shape)``, clipped to the array."""
     ranges = []
-    for off, size, dim, chunk in zip(offset, shape, meta.shape, meta.chunks):
+    for off, size, dim, chunk in zip(offset, shape, meta.shape, meta.chunks, strict=True):
         stop = min(off + size, dim)
         if stop <= off:
             return
         ranges.append(range(off // chunk, (stop - 1) // chunk + 1))
     for index in itertools.product(*ranges):
         in_chunk, in_box = [], []
-        for i, off, size, dim, chunk in zip(index, offset, shape, meta.shape, meta.chunks):
+        for i, off, size, dim, chunk in zip(
+            index, offset, shape, meta.shape, meta.chunks, strict=True
+        ):
             lo = max(off, i * chunk)
             hi = min(off + size, (i + 1) * chunk, dim)
             in_chunk.append(slice(lo - i * chunk, hi - i * chunk))

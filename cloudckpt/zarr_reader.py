@@ -77,7 +77,7 @@ class TensorReader:
             raise CheckpointNotFoundError(
                 f"tensor(s) {missing} not found in checkpoint {self.storage.uri!r}"
             ) from None
-        for key, raw in zip(todo, raws):
+        for key, raw in zip(todo, raws, strict=True):
             self._metas[key] = ArrayMeta.from_json(raw, self.storage.child_uri(f"{key}/{ZARRAY}"))
         return {k: self._metas[k] for k in keys}
 
@@ -94,7 +94,9 @@ class TensorReader:
     def _check_compatible(self, sh: ShardedTensor, meta: ArrayMeta) -> None:
         where = f"tensor {sh.key!r} in checkpoint {self.storage.uri!r}"
         if meta.dtype != sh.dtype:
-            raise CheckpointingException(f"{where}: stored dtype {meta.dtype}, requested {sh.dtype}")
+            raise CheckpointingException(
+                f"{where}: stored dtype {meta.dtype}, requested {sh.dtype}"
+            )
         if tuple(meta.shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
             raise CheckpointingException(
                 f"{where}: stored global shape {tuple(meta.shape)}, requested "
@@ -120,12 +122,12 @@ class TensorReader:
         self, batch: list[ShardedTensor], metas: dict[str, ArrayMeta]
     ) -> dict[int, torch.Tensor]:
         plans = {id(sh): self._plan(sh, metas[sh.key]) for sh in batch}
-        unique = sorted({p.request for pieces in plans.values() for p in pieces},
-                        key=lambda r: (r.path, r.start))
-        fetched = dict(zip(unique, self.storage.read_many(unique)))
-        return {
-            id(sh): self._assemble(sh, metas[sh.key], plans[id(sh)], fetched) for sh in batch
-        }
+        unique = sorted(
+            {p.request for pieces in plans.values() for p in pieces},
+            key=lambda r: (r.path, r.start),
+        )
+        fetched = dict(zip(unique, self.storage.read_many(unique), strict=True))
+        return {id(sh): self._assemble(sh, metas[sh.key], plans[id(sh)], fetched) for sh in batch}
 
     def _plan(self, sh: ShardedTensor, meta: ArrayMeta) -> list[_Piece]:
         box = chunk_shape(sh)
@@ -169,11 +171,11 @@ class TensorReader:
                 f"{where}: read {len(raw)} bytes at offset {piece.request.start}, expected "
                 f"{expected}; the chunk is truncated"
             )
-        return bytes_to_tensor(raw, meta.dtype).reshape((rows,) + tuple(meta.chunks[1:]))
+        return bytes_to_tensor(raw, meta.dtype).reshape((rows, *tuple(meta.chunks[1:])))
 
 
 def _shift_rows(in_chunk: tuple[slice, ...], first_row: int) -> tuple[slice, ...]:
     if not in_chunk or not first_row:
         return in_chunk
     head = in_chunk[0]
-    return (slice(head.start - first_row, head.stop - first_row),) + in_chunk[1:]
+    return (slice(head.start - first_row, head.stop - first_row), *in_chunk[1:])

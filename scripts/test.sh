@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh dev
+.venv/bin/ruff check cloudckpt tests benchmarks
+.venv/bin/mypy cloudckpt
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

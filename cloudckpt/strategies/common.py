@@ -139,7 +139,8 @@ class TorchCommonLoadStrategy(_StorageBacked, LoadCommonStrategy):
         state = self._loads(raw)
         if not isinstance(state, dict):
             raise CheckpointingException(
-                f"{storage.child_uri(COMMON_STATE_FNAME)} holds a {type(state).__name__}, not a dict"
+                f"{storage.child_uri(COMMON_STATE_FNAME)} holds a {type(state).__name__}, "
+                "not a dict"
             )
         return state
 
@@ -148,12 +149,14 @@ class TorchCommonLoadStrategy(_StorageBacked, LoadCommonStrategy):
     ) -> StateDict:
         """Return the state dict with every ShardedObject replaced by its stored value."""
         storage = self._storage(checkpoint_dir)
-        objects = [o for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)]
+        objects = [
+            o for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)
+        ]
         try:
             raws = storage.read_many([ReadRequest(f"{o.unique_key}.pt") for o in objects])
         except CheckpointNotFoundError as exc:
             raise self._missing_object_error(storage, objects) from exc
-        loaded = {id(o): self._loads(raw) for o, raw in zip(objects, raws)}
+        loaded = {id(o): self._loads(raw) for o, raw in zip(objects, raws, strict=True)}
 
         def replace(value: Any) -> Any:
             return loaded[id(value)] if isinstance(value, ShardedObject) else value
@@ -166,7 +169,9 @@ class TorchCommonLoadStrategy(_StorageBacked, LoadCommonStrategy):
         present = set(storage.list())
         missing = [o.unique_key for o in objects if f"{o.unique_key}.pt" not in present]
         keys = {o.key for o in objects}
-        stored = sorted(p[:-3] for p in present if _SHARD_FILE.search(p) and p.rsplit("/", 1)[0] in keys)
+        stored = sorted(
+            p[:-3] for p in present if _SHARD_FILE.search(p) and p.rsplit("/", 1)[0] in keys
+        )
         return CheckpointNotFoundError(
             f"sharded object(s) {missing} not found in checkpoint {storage.uri!r}; "
             f"stored shards of these keys: {stored or 'none'}"

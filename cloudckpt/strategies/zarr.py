@@ -127,7 +127,9 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             for t in tensors:
                 if is_main_replica(t.replica_id):
                     mine[(t.key, _require_index(t))][t.flattened_range.start] = t  # type: ignore[union-attr]
-            buffers, sends, recvs = _exchange_plan(plan_flat_chunks(gathered), mine, dist.get_rank())
+            buffers, sends, recvs = _exchange_plan(
+                plan_flat_chunks(gathered), mine, dist.get_rank()
+            )
         except Exception as exc:  # noqa: BLE001 - peers must not wait for our transfers
             error = exc
         dist.raise_if_any_rank_failed(error, "planning the assembly of flattened chunks")
@@ -244,7 +246,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         """Raise unless the checkpoint was written by the zarr backend."""
         if loaded_backend != BACKEND:
             raise IncompatibleCheckpointError(
-                f"{type(self).__name__} reads backend {BACKEND!r}, checkpoint has {loaded_backend!r}"
+                f"{type(self).__name__} reads backend {BACKEND!r}, "
+                f"checkpoint has {loaded_backend!r}"
             )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
@@ -264,7 +267,9 @@ def load_zarr_based_sharded_metadata(
     out: ShardedStateDict = {}
     for key in TensorReader(storage).array_keys():
         shape, dtype = get_shape_dtype_fn(key)
-        out[key] = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype, device="meta"))
+        out[key] = ShardedTensor.from_rank_offsets(
+            key, torch.empty(shape, dtype=dtype, device="meta")
+        )
     if not out:
         raise CheckpointNotFoundError(f"no zarr arrays found in {checkpoint_dir!r}")
     return out
@@ -272,8 +277,12 @@ def load_zarr_based_sharded_metadata(
 
 def register_default_zarr_strategies() -> None:
     """Register the zarr save and load strategies as defaults for ("zarr", 1)."""
-    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, ZarrSaveShardedStrategy())
-    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, ZarrLoadShardedStrategy())
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, BACKEND, VERSION, ZarrSaveShardedStrategy()
+    )
+    register_default_strategy(
+        StrategyAction.LOAD_SHARDED, BACKEND, VERSION, ZarrLoadShardedStrategy()
+    )
 
 
 register_default_zarr_strategies()
