@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from cloudckpt import dist
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, load_config, save_config
 from cloudckpt.dict_utils import (
@@ -43,7 +45,7 @@ from cloudckpt.mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from cloudckpt.storage import CheckpointStorage, open_checkpoint, validate_relpath
+from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint, validate_relpath
 from cloudckpt.strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
@@ -154,17 +156,32 @@ def save(
     if validate_access_integrity:
         validate_sharding_integrity(dist.all_gather_object(local_metadata), uri)
     error: BaseException | None = None
+    results: list[WriteResult] = []
     try:
-        sharded_saver.save(tensors, uri)
+        results += sharded_saver.save(tensors, uri) or []
         if dist.get_rank() == 0:
-            common_saver.save_common(common, uri)
-        common_saver.save_sharded_objects(objects, uri)
+            results += common_saver.save_common(common, uri) or []
+        results += common_saver.save_sharded_objects(objects, uri) or []
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         logger.error("rank %d failed to save %s: %s", dist.get_rank(), uri, exc)
         error = exc
     dist.raise_if_any_rank_failed(error, f"saving checkpoint {uri!r}")
     _commit(storage, sharded_saver, common_saver)
-    logger.info("saved checkpoint %s in %.2f s", uri, time.perf_counter() - started)
+    _log_rate("saved", uri, sum(r.size for r in results), len(results), started)
+
+
+def _log_rate(verb: str, uri: str, nbytes: int, count: int, started: float) -> None:
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    logger.info(
+        "rank %d %s %s: %d objects, %.1f MB in %.2f s (%.1f MB/s)",
+        dist.get_rank(),
+        verb,
+        uri,
+        count,
+        nbytes / 1e6,
+        elapsed,
+        nbytes / 1e6 / elapsed,
+    )
 
 
 def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, int]) -> Any:
@@ -306,7 +323,9 @@ def load(
     apply_factory_merges(loaded, factories)
     merge(common_state, loaded)
     merge(common_state, _unwrap(nonpersistent))
-    logger.info("loaded checkpoint %s in %.2f s", uri, time.perf_counter() - started)
+    tensors_loaded = [t for t in nested_values(loaded) if isinstance(t, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors_loaded)
+    _log_rate("loaded", uri, nbytes, len(tensors_loaded), started)
     if strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
         return common_state, missing, unexpected
     return common_state
