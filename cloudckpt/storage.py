@@ -198,6 +198,44 @@ class CheckpointStorage:
         except Exception as exc:
             raise StorageError(f"failed to read {self.child_uri(relpath)}: {exc}") from exc
 
+    def read_into(self, relpath: str, out: memoryview, start: int = 0) -> None:
+        """Fill ``out`` with the bytes of ``relpath`` starting at ``start``.
+
+        Local files are read straight into ``out`` (no intermediate copy); other
+        filesystems fetch the range and copy it once.
+
+        Raises:
+            CheckpointNotFoundError: the object does not exist.
+            StorageError: the object is shorter than requested, or any other failure.
+        """
+        out = _as_bytes_view(out)
+        path = self.full_path(relpath)
+        try:
+            if self._is_local:
+                with self.fs.open(path, "rb") as f:
+                    f.seek(start)
+                    got = f.readinto(out)
+            else:
+                data = self.fs.cat_file(path, start=start, end=start + out.nbytes)
+                got = len(data)
+                out[:got] = data
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist") from exc
+        except Exception as exc:
+            raise StorageError(f"failed to read {self.child_uri(relpath)}: {exc}") from exc
+        if got != out.nbytes:
+            raise StorageError(
+                f"{self.child_uri(relpath)}: read {got} bytes at offset {start}, expected "
+                f"{out.nbytes}; the object is truncated"
+            )
+
+    def read_into_many(self, items: Sequence[tuple[ReadRequest, memoryview]]) -> None:
+        """:meth:`read_into` for many (request, buffer) pairs, concurrently."""
+        started = time.perf_counter()
+        self.map(lambda item: self.read_into(item[0].path, item[1], item[0].start), items)
+        nbytes = sum(memoryview(buf).nbytes for _, buf in items)
+        _log_throughput("read", self.uri, nbytes, len(items), started)
+
     def read_many(self, requests: Sequence[ReadRequest]) -> builtins.list[bytes]:
         """Read several objects or ranges concurrently; results follow ``requests``."""
         started = time.perf_counter()

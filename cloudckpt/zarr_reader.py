@@ -28,6 +28,7 @@ from cloudckpt.zarr_format import (
     decode_chunk,
     overlapping_chunks,
     row_byte_range,
+    tensor_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,29 @@ class TensorReader:
     def _load_batch(
         self, batch: list[ShardedTensor], metas: dict[str, ArrayMeta]
     ) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        jobs: list[tuple[ReadRequest, memoryview]] = []
+        staged = []
+        for sh in batch:
+            direct = _direct_reads(sh, metas[sh.key])
+            if direct is None:
+                staged.append(sh)
+                continue
+            result = torch.empty(_result_numel(sh), dtype=sh.dtype)
+            view, size = tensor_bytes(result), metas[sh.key].itemsize
+            jobs += [
+                (d.request, view[d.out_start * size : (d.out_start + d.length) * size])
+                for d in direct
+            ]
+            out[id(sh)] = _finish(sh, result.reshape(_result_shape(sh)))
+        self.storage.read_into_many(jobs)
+        out.update(self._load_staged(staged, metas))
+        return out
+
+    def _load_staged(
+        self, batch: list[ShardedTensor], metas: dict[str, ArrayMeta]
+    ) -> dict[int, torch.Tensor]:
+        """Fetch whole chunks (or row ranges) and copy the overlaps: any sharding, any codec."""
         plans = {id(sh): self._plan(sh, metas[sh.key]) for sh in batch}
         unique = sorted(
             {p.request for pieces in plans.values() for p in pieces},
@@ -156,9 +180,7 @@ class TensorReader:
         result = box.reshape(tuple(sh.local_shape))
         if sh.flattened_range is not None:
             result = result.reshape(-1)[sh.flattened_range].clone()
-        if sh.data is not None and sh.data.device.type != "cpu":
-            result = result.to(sh.data.device)
-        return result
+        return _finish(sh, result)
 
     def _decode(self, meta: ArrayMeta, piece: _Piece, raw: bytes) -> torch.Tensor:
         where = self.storage.child_uri(piece.request.path)
@@ -179,3 +201,64 @@ def _shift_rows(in_chunk: tuple[slice, ...], first_row: int) -> tuple[slice, ...
         return in_chunk
     head = in_chunk[0]
     return (slice(head.start - first_row, head.stop - first_row), *in_chunk[1:])
+
+
+@dataclass(frozen=True)
+class _DirectRead:
+    """A byte range of a raw chunk that lands contiguously in the result tensor."""
+
+    request: ReadRequest
+    out_start: int  # first element of the (flat) result it fills
+    length: int  # elements
+
+
+def _result_numel(sh: ShardedTensor) -> int:
+    rng = sh.flattened_range
+    return rng.stop - rng.start if rng is not None else math.prod(sh.local_shape)
+
+
+def _result_shape(sh: ShardedTensor) -> tuple[int, ...]:
+    return (_result_numel(sh),) if sh.flattened_range is not None else tuple(sh.local_shape)
+
+
+def _finish(sh: ShardedTensor, result: torch.Tensor) -> torch.Tensor:
+    """Move the result to the device of the requested tensor's data (if not CPU)."""
+    if sh.data is not None and sh.data.device.type not in ("cpu", "meta"):
+        return result.to(sh.data.device)
+    return result
+
+
+def _direct_reads(sh: ShardedTensor, meta: ArrayMeta) -> list[_DirectRead] | None:
+    """Byte ranges to read straight into the result, or None when copying is needed.
+
+    Possible when chunks are raw C-order bytes and every overlapping chunk contributes
+    whole rows (the request and the stored chunks differ only along axis 0 - the
+    common cases of an unchanged layout, a resharding along axis 0, and flattened
+    optimizer state). Then each chunk's rows are one contiguous range of the result,
+    and of a flattened request only the requested elements are read.
+    """
+    box = chunk_shape(sh)
+    if not (meta.is_raw and meta.order == "C") or box[1:] != meta.chunks[1:]:
+        return None
+    row = math.prod(box[1:])
+    rng = sh.flattened_range
+    want_lo, want_hi = (rng.start, rng.stop) if rng is not None else (0, math.prod(box))
+    reads, covered = [], 0
+    for overlap in overlapping_chunks(meta, tuple(sh.global_offset), box):
+        full = (slice(0, n) for n in meta.chunks[1:])
+        if any(s != f for s, f in zip(overlap.in_chunk[1:], full, strict=True)):
+            return None
+        b0, b1, c0 = (
+            (overlap.in_box[0].start, overlap.in_box[0].stop, overlap.in_chunk[0].start)
+            if box
+            else (0, 1, 0)
+        )
+        lo, hi = b0 * row, b1 * row
+        covered += hi - lo
+        a, b = max(lo, want_lo), min(hi, want_hi)
+        if a < b:
+            first = (c0 * row + a - lo) * meta.itemsize
+            path = f"{sh.key}/{meta.chunk_key(overlap.index)}"
+            request = ReadRequest(path, first, first + (b - a) * meta.itemsize)
+            reads.append(_DirectRead(request, a - want_lo, b - a))
+    return reads if covered == math.prod(box) else None  # a shortfall needs zero padding
