@@ -1,0 +1,387 @@
+"""The demo job: train a tiny sharded GPT on N CPU ranks, save, reshard-load, check.
+
+:func:`run_demo` spawns ``world_size`` gloo ranks (:func:`cloudckpt.launch.run_on_ranks`).
+Each rank
+
+1. holds its TP x DP shard of the model and its DP range of the Adam state and trains
+   a few steps (:class:`~cloudckpt.demo.train.Trainer`),
+2. gathers reference copies of every full tensor, saves with :func:`cloudckpt.save`,
+3. builds the sharded state dict of a different TP x DP layout, loads it with
+   :func:`cloudckpt.load` and compares every tensor bit for bit, plus the common
+   state, the per-rank ShardedObject and the LocalNonpersistentObject.
+
+Rank 0 returns a :class:`DemoResult`; mismatches raise :class:`DemoVerificationError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from cloudckpt.demo.model import (
+    GPTConfig,
+    Layout,
+    ParamSpec,
+    checkpoint_tensor_keys,
+    local_state,
+    model_sharded_state_dict,
+    optimizer_sharded_state_dict,
+)
+from cloudckpt.demo.train import BETAS, EPS, STATE_NAMES, Tensors, Trainer
+from cloudckpt.errors import CheckpointingException
+from cloudckpt.launch import run_on_ranks
+from cloudckpt.mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
+from cloudckpt.serialization import load, save
+from cloudckpt.storage import open_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class DemoVerificationError(CheckpointingException, AssertionError):
+    """The reloaded state differs from what was saved; ``mismatches`` lists every difference."""
+
+    def __init__(self, message: str, mismatches: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.mismatches = tuple(mismatches)
+
+
+class DestinationNotEmptyError(CheckpointingException, FileExistsError):
+    """The demo's checkpoint URI already holds objects and ``overwrite`` was not given."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What the demo runs.
+
+    Attributes:
+        uri: checkpoint URI (a local path, ``file://``, ``s3://``, ...), kept as ``str``.
+        world_size: number of CPU ranks.
+        tp: tensor-parallel size when training and saving (DP = world_size / tp).
+        load_tp: tensor-parallel size of the layout loaded back (DP = world_size / load_tp);
+            normally different from ``tp``, so the load reshards.
+        steps: training steps before the save.
+        seed: seed of the initial weights and of the data.
+        batch_size: sequences per DP rank and step.
+        seq_len: tokens per sequence.
+        lr: Adam learning rate.
+        config: model sizes.
+    """
+
+    uri: str
+    world_size: int = 4
+    tp: int = 2
+    load_tp: int = 1
+    steps: int = 10
+    seed: int = 1234
+    batch_size: int = 8
+    seq_len: int = 32
+    lr: float = 1e-3
+    config: GPTConfig = field(default_factory=GPTConfig)
+
+    def layouts(self, rank: int) -> tuple[Layout, Layout]:
+        """The (save, load) layouts of ``rank``."""
+        return (
+            Layout(self.tp, self.world_size // self.tp, rank),
+            Layout(self.load_tp, self.world_size // self.load_tp, rank),
+        )
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What rank 0 reports. Sizes in bytes, times in seconds.
+
+    Attributes:
+        world_size: ranks that ran.
+        save_layout: e.g. ``"TP=2 x DP=2"``.
+        load_layout: e.g. ``"TP=1 x DP=4"``.
+        num_tensors: tensors per rank in the loaded state dict (model + optimizer).
+        num_arrays: global tensors stored in the checkpoint (fused QKV stored as q, k, v).
+        tensor_bytes: bytes of all global tensors (the payload saved and loaded).
+        stored_objects: objects found under the checkpoint URI after the save.
+        save_s: wall time of ``save`` (all ranks, barrier to barrier).
+        load_s: wall time of ``load``.
+        first_loss: DP-mean loss of the first step.
+        last_loss: DP-mean loss of the last step.
+        mismatches: differences found after the reload (empty when all match).
+    """
+
+    world_size: int
+    save_layout: str
+    load_layout: str
+    num_tensors: int
+    num_arrays: int
+    tensor_bytes: int
+    stored_objects: int
+    save_s: float
+    load_s: float
+    first_loss: float
+    last_loss: float
+    mismatches: tuple[str, ...] = ()
+
+    def summary_lines(self, uri: str) -> list[str]:
+        """Human-readable summary, one line each."""
+        mb = self.tensor_bytes / 1e6
+        counts = f"{self.num_tensors} per rank, {self.num_arrays} in the checkpoint"
+        lines = [
+            f"checkpoint:   {uri}",
+            f"world size:   {self.world_size} ranks (gloo, CPU)",
+            f"save layout:  {self.save_layout}; load layout: {self.load_layout}",
+            f"training:     loss {self.first_loss:.4f} -> {self.last_loss:.4f}",
+            f"tensors:      {counts}, {mb:.2f} MB of tensor data, {self.stored_objects} objects",
+            f"save:         {self.save_s:.3f} s, {mb / max(self.save_s, 1e-9):.1f} MB/s",
+            f"load:         {self.load_s:.3f} s, {mb / max(self.load_s, 1e-9):.1f} MB/s",
+        ]
+        if self.mismatches:
+            lines.append(f"MISMATCH:     {len(self.mismatches)} differences")
+        else:
+            lines.append(f"result:       all {self.num_tensors} tensors match on every rank")
+        return lines
+
+
+# -- parent side ------------------------------------------------------------------------
+
+
+def validate_options(options: DemoOptions) -> None:
+    """Raise ValueError when the sizes do not fit together."""
+    cfg = options.config
+    for name, tp in (("tp", options.tp), ("load_tp", options.load_tp)):
+        if tp < 1 or options.world_size % tp:
+            raise ValueError(f"{name}={tp} must divide world size {options.world_size}")
+        for dim in (cfg.vocab_size, cfg.hidden_size, cfg.ffn_hidden_size):
+            if dim % tp:
+                raise ValueError(f"{name}={tp} must divide the model size {dim}")
+    if not 1 <= options.world_size <= 8:
+        raise ValueError(f"world size must be between 1 and 8, got {options.world_size}")
+    if options.seq_len > cfg.max_seq_len or options.steps < 1:
+        raise ValueError("need steps >= 1 and seq_len <= max_seq_len")
+
+
+def default_tp_sizes(world_size: int, tp: int | None = None) -> tuple[int, int]:
+    """Default (save TP, load TP) so that the load reshards where the world size allows.
+
+    Save with TP=2 when the world size is even, else TP=1; load with TP=1, or with TP=2
+    when saving with TP=1 and the world size is even. An odd world size (the model's
+    sizes are powers of two) saves and loads with TP=1: nothing is resharded.
+    """
+    even = world_size % 2 == 0
+    save_tp = tp if tp is not None else (2 if even else 1)
+    return save_tp, (2 if save_tp == 1 and even else 1)
+
+
+def prepare_destination(uri: str, overwrite: bool) -> None:
+    """Make sure ``uri`` holds no objects: refuse, or delete them with ``overwrite``.
+
+    Raises:
+        DestinationNotEmptyError: objects exist and ``overwrite`` is False.
+    """
+    store = open_checkpoint(uri)
+    existing = store.list()
+    if not existing:
+        return
+    if not overwrite:
+        raise DestinationNotEmptyError(
+            f"{uri} already holds {len(existing)} objects (e.g. {existing[0]}); "
+            "pass --overwrite to replace them or choose another --uri"
+        )
+    logger.info("deleting %s existing objects under %s", len(existing), uri)
+    store.map(store.delete, existing)
+
+
+def run_demo(options: DemoOptions) -> DemoResult:
+    """Run the whole demo on ``options.world_size`` spawned ranks.
+
+    The checkpoint URI should hold nothing yet (see :func:`prepare_destination`).
+
+    Raises:
+        ValueError: inconsistent options.
+        DemoVerificationError: the reloaded state differs (every difference listed).
+        DistributedCheckpointError: a rank failed (its traceback is in the message).
+    """
+    validate_options(options)
+    result: DemoResult = run_on_ranks(_rank_main, options.world_size, (options,))[0]
+    if result.mismatches:
+        shown = "\n".join(result.mismatches[:50])
+        raise DemoVerificationError(
+            f"{len(result.mismatches)} differences after reloading {options.uri}:\n{shown}",
+            result.mismatches,
+        )
+    return result
+
+
+# -- rank side ----------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult | None:
+    """One rank's job: train, save, load into the other layout, check; rank 0 reports."""
+    torch.manual_seed(options.seed + rank)
+    torch.set_num_threads(1)
+    save_layout, load_layout = options.layouts(rank)
+    trainer = Trainer(
+        options.config, save_layout, options.seed, options.lr, options.batch_size, options.seq_len
+    )
+    losses = [trainer.step() for _ in range(options.steps)]
+    ref_params, ref_states = trainer.reference()
+    rng_obj = {"rank": rank, "torch_rng": torch.get_rng_state(), "samples": options.steps}
+    save_s = _timed(lambda: save(_save_state_dict(trainer, options, rng_obj), options.uri))
+    stored = len(open_checkpoint(options.uri).list()) if rank == 0 else 0
+    request = _load_state_dict(trainer.specs, load_layout, options)
+    loaded: dict[str, Any] = {}
+    load_s = _timed(lambda: loaded.update(_load(request, options.uri)))
+    expected = _expected_tensors(trainer.specs, load_layout, ref_params, ref_states)
+    mismatches = _check_tensors(rank, loaded, expected) + _check_common(options, loaded, rng_obj)
+    all_mismatches = [m for ms in _all_gather_objects(mismatches) for m in ms]
+    if rank != 0:
+        return None
+    return DemoResult(
+        world_size=world_size,
+        save_layout=save_layout.describe(),
+        load_layout=load_layout.describe(),
+        num_tensors=len(expected),
+        num_arrays=len(checkpoint_tensor_keys(trainer.specs, STATE_NAMES)),
+        tensor_bytes=sum(s.numel for s in trainer.specs) * 4 * (1 + len(STATE_NAMES)),
+        stored_objects=stored,
+        save_s=save_s,
+        load_s=load_s,
+        first_loss=losses[0],
+        last_loss=losses[-1],
+        mismatches=tuple(all_mismatches),
+    )
+
+
+def _load(request: ShardedStateDict, uri: str) -> dict[str, Any]:
+    result = load(request, uri)
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _common_state(options: DemoOptions) -> dict[str, Any]:
+    return {
+        "iteration": options.steps,
+        "args": {
+            **asdict(options.config),
+            "lr": options.lr,
+            "seed": options.seed,
+            "tp": options.tp,
+        },
+        "param_groups": [{"lr": options.lr, "betas": BETAS, "eps": EPS, "step": options.steps}],
+    }
+
+
+def _save_state_dict(
+    trainer: Trainer, options: DemoOptions, rng_obj: dict[str, Any]
+) -> ShardedStateDict:
+    lay, world = trainer.layout, options.world_size
+    return {
+        "model": model_sharded_state_dict(trainer.params, trainer.specs, lay),
+        "optimizer": {"state": optimizer_sharded_state_dict(trainer.states, trainer.specs, lay)},
+        "rng_state": ShardedObject("rng_state", rng_obj, (world,), (lay.rank,), replica_id=0),
+        "local_cache": LocalNonpersistentObject({"pid": os.getpid()}),
+        **_common_state(options),
+    }
+
+
+def _load_state_dict(
+    specs: Sequence[ParamSpec], layout: Layout, options: DemoOptions
+) -> ShardedStateDict:
+    """The state dict of ``layout``, NaN-filled so a tensor the load misses cannot match."""
+    nans = {s.key: torch.full(s.shape, math.nan) for s in specs}
+    params = {s.key: local_state(nans, s, layout) for s in specs}
+    states = {
+        s.key: {n: local_state(nans, s, layout, flat=True) for n in STATE_NAMES} for s in specs
+    }
+    world, rank = options.world_size, layout.rank
+    return {
+        "model": model_sharded_state_dict(params, specs, layout),
+        "optimizer": {"state": optimizer_sharded_state_dict(states, specs, layout)},
+        "rng_state": ShardedObject("rng_state", None, (world,), (rank,), replica_id=0),
+        "local_cache": LocalNonpersistentObject({"pid": os.getpid()}),
+    }
+
+
+def _expected_tensors(
+    specs: Sequence[ParamSpec], layout: Layout, params: Tensors, states: dict[str, Tensors]
+) -> dict[tuple[str, ...], torch.Tensor]:
+    """What each tensor of the loaded state dict must equal, by its key path."""
+    expected: dict[tuple[str, ...], torch.Tensor] = {}
+    for spec in specs:
+        expected["model", spec.key] = local_state(params, spec, layout)
+        for name in STATE_NAMES:
+            path = ("optimizer", "state", spec.key, name)
+            expected[path] = local_state(states[name], spec, layout, flat=True)
+    return expected
+
+
+def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _check_tensors(
+    rank: int, loaded: dict[str, Any], expected: dict[tuple[str, ...], torch.Tensor]
+) -> list[str]:
+    """Compare every expected tensor bit for bit; one line per difference."""
+    problems = []
+    for path, want in expected.items():
+        got = _lookup(loaded, path)
+        where = f"rank {rank}: {'/'.join(path)}"
+        if not isinstance(got, torch.Tensor):
+            problems.append(f"{where}: expected a tensor, got {type(got).__name__}")
+        elif got.shape != want.shape or got.dtype != want.dtype:
+            problems.append(
+                f"{where}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+            )
+        elif not torch.equal(got, want):
+            diff = (got - want).abs().nan_to_num(math.inf)
+            count, worst = int((diff != 0).sum()), float(diff.max())
+            problems.append(f"{where}: {count} elements differ (max |diff| {worst:.3g})")
+    return problems
+
+
+def _check_common(
+    options: DemoOptions, loaded: dict[str, Any], rng_obj: dict[str, Any]
+) -> list[str]:
+    """Compare the common state, the ShardedObject and the LocalNonpersistentObject."""
+    where = f"rank {torch_dist.get_rank()}"
+    problems = [
+        f"{where}: common {key!r} is {loaded.get(key)!r}, want {value!r}"
+        for key, value in _common_state(options).items()
+        if loaded.get(key) != value
+    ]
+    got = loaded.get("rng_state")
+    if not (
+        isinstance(got, dict)
+        and got.keys() == rng_obj.keys()
+        and all(
+            torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+            for k, v in rng_obj.items()
+        )
+    ):
+        problems.append(f"{where}: sharded object 'rng_state' is {got!r}, want {rng_obj!r}")
+    if loaded.get("local_cache") != {"pid": os.getpid()}:
+        problems.append(f"{where}: local object 'local_cache' is {loaded.get('local_cache')!r}")
+    return problems
+
+
+def _all_gather_objects(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Wall time of ``fn`` on all ranks, from a barrier before to a barrier after."""
+    torch_dist.barrier()
+    start = time.perf_counter()
+    fn()
+    torch_dist.barrier()
+    return time.perf_counter() - start
