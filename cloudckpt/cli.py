@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,12 @@ Handler = Callable[[argparse.Namespace], int]
 Subparsers = Any  # argparse._SubParsersAction is private
 
 DEFAULT_DEMO_DIR = "./cloudckpt-demo"
+
+
+def _default_uri(steps: int) -> str:
+    """A fresh local run directory, so that running the demo again never collides."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return f"{DEFAULT_DEMO_DIR}/run-{stamp}-{os.getpid()}/iter_{steps:07d}"
 
 
 def _add_demo(subparsers: Subparsers) -> None:
@@ -36,9 +44,9 @@ def _add_demo(subparsers: Subparsers) -> None:
     add = parser.add_argument
     add(
         "--uri",
-        help=f"checkpoint URI or local path (default: {DEFAULT_DEMO_DIR}/iter_<steps, 7 digits>, "
-        f"e.g. {DEFAULT_DEMO_DIR}/iter_0000010); s3://, gs://, file:// and other fsspec "
-        "URIs work too",
+        help=f"checkpoint URI or local path (default: a new run directory, "
+        f"{DEFAULT_DEMO_DIR}/run-<UTC time>/iter_<steps, 7 digits>); s3://, gs://, file:// "
+        "and other fsspec URIs work too",
     )
     add("--world-size", type=int, default=4, help="number of CPU ranks (1-8, default 4)")
     add(
@@ -72,7 +80,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     tp, default_load_tp = default_tp_sizes(args.world_size, args.tp)
     load_tp = args.load_tp if args.load_tp is not None else default_load_tp
-    uri: str = args.uri if args.uri is not None else f"{DEFAULT_DEMO_DIR}/iter_{args.steps:07d}"
+    uri: str = args.uri if args.uri is not None else _default_uri(args.steps)
     options = DemoOptions(
         uri=uri,
         world_size=args.world_size,

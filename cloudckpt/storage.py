@@ -249,8 +249,9 @@ class CheckpointStorage:
 
     def exists(self, relpath: str) -> bool:
         """True when the object ``relpath`` exists."""
+        path = self.full_path(relpath)
         try:
-            return bool(self.fs.exists(self.full_path(relpath)))
+            return bool(self.fs.exists(path))
         except Exception as exc:
             raise StorageError(f"failed to stat {self.child_uri(relpath)}: {exc}") from exc
 

@@ -76,6 +76,8 @@ class ArrayMeta:
         filters: numcodecs configs of filters applied before the compressor, or None.
         order: ``"C"`` or ``"F"`` memory order inside a chunk.
         dimension_separator: ``"."`` or ``"/"`` between chunk indices in object names.
+        fill_value: value of chunks that were never written, or None (cloudckpt and
+            Megatron-Core write every chunk; a missing chunk is then an error).
     """
 
     shape: tuple[int, ...]
@@ -85,6 +87,7 @@ class ArrayMeta:
     filters: tuple[dict[str, Any], ...] | None = None
     order: str = "C"
     dimension_separator: str = "."
+    fill_value: float | int | bool | None = None
 
     @property
     def itemsize(self) -> int:
@@ -134,6 +137,17 @@ class ArrayMeta:
             doc = json.loads(raw)
         except ValueError as exc:
             raise IncompatibleCheckpointError(f"{where}: not a valid .zarray: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise IncompatibleCheckpointError(f"{where}: not a valid .zarray: not a JSON object")
+        try:
+            return cls._from_doc(doc, where)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IncompatibleCheckpointError(
+                f"{where}: not a valid .zarray: bad or missing field {exc}"
+            ) from exc
+
+    @classmethod
+    def _from_doc(cls, doc: dict[str, Any], where: str) -> ArrayMeta:
         if doc.get("zarr_format") != 2:
             raise IncompatibleCheckpointError(
                 f"{where}: zarr_format {doc.get('zarr_format')!r} is not supported (expected 2)"
@@ -150,6 +164,7 @@ class ArrayMeta:
             filters=tuple(filters) if filters else None,
             order=order,
             dimension_separator=doc.get("dimension_separator") or ".",
+            fill_value=_decode_fill_value(doc.get("fill_value"), where),
         )
 
 
@@ -187,11 +202,28 @@ def decode_chunk(meta: ArrayMeta, raw: bytes, where: str = "") -> torch.Tensor:
 
 def _decompress(meta: ArrayMeta, raw: bytes, where: str) -> bytes:
     data: Any = raw
-    if meta.compressor is not None:
-        data = numcodecs.get_codec(meta.compressor).decode(data)
-    for config in reversed(meta.filters or ()):
-        data = numcodecs.get_codec(config).decode(data)
+    try:
+        if meta.compressor is not None:
+            data = numcodecs.get_codec(meta.compressor).decode(data)
+        for config in reversed(meta.filters or ()):
+            data = numcodecs.get_codec(config).decode(data)
+    except Exception as exc:
+        raise IncompatibleCheckpointError(
+            f"{where}: cannot decode chunk with {meta.compressor} / {meta.filters}: {exc}"
+        ) from exc
     return bytes(np.ascontiguousarray(data).view(np.uint8))
+
+
+_SPECIAL_FILLS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _decode_fill_value(value: Any, where: str) -> float | int | bool | None:
+    """A zarr v2 ``fill_value``: null, a number, or NaN / Infinity spelled as strings."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if isinstance(value, str) and value in _SPECIAL_FILLS:
+        return _SPECIAL_FILLS[value]
+    raise IncompatibleCheckpointError(f"{where}: unsupported fill_value {value!r}")
 
 
 @dataclass(frozen=True)

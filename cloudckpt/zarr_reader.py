@@ -126,7 +126,8 @@ class TensorReader:
         jobs: list[tuple[ReadRequest, memoryview]] = []
         staged = []
         for sh in batch:
-            direct = _direct_reads(sh, metas[sh.key])
+            meta = metas[sh.key]
+            direct = _direct_reads(sh, meta) if meta.fill_value is None else None
             if direct is None:
                 staged.append(sh)
                 continue
@@ -146,8 +147,12 @@ class TensorReader:
     ) -> dict[int, torch.Tensor]:
         """Fetch whole chunks (or row ranges) and copy the overlaps: any sharding, any codec."""
         plans = {id(sh): self._plan(sh, metas[sh.key]) for sh in batch}
+        # Arrays with a fill_value may omit chunks (zarr writers skip all-fill chunks).
+        fill_keys = {sh.key for sh in batch if metas[sh.key].fill_value is not None}
+        present = {path for key in fill_keys for path in self.storage.list(key)}
+        owner = {p.request: sh.key for sh in batch for p in plans[id(sh)]}
         unique = sorted(
-            {p.request for pieces in plans.values() for p in pieces},
+            (r for r, key in owner.items() if key not in fill_keys or r.path in present),
             key=lambda r: (r.path, r.start),
         )
         fetched = dict(zip(unique, self.storage.read_many(unique), strict=True))
@@ -175,6 +180,9 @@ class TensorReader:
     ) -> torch.Tensor:
         box = torch.zeros(chunk_shape(sh), dtype=meta.dtype)  # zeros pad a shape mismatch
         for piece in pieces:
+            if piece.request not in fetched and meta.fill_value is not None:
+                box[piece.overlap.in_box] = meta.fill_value  # never written: the fill value
+                continue
             part = self._decode(meta, piece, fetched[piece.request])
             box[piece.overlap.in_box] = part[_shift_rows(piece.overlap.in_chunk, piece.first_row)]
         result = box.reshape(tuple(sh.local_shape))

@@ -48,13 +48,21 @@ def _gated(log: list[Any], tag: Any) -> tuple[AsyncRequest, threading.Event]:
 
 
 def test_request_defaults_and_normalisation() -> None:
-    fin = [lambda: None]
+    fin = (lambda: None,)
     request = AsyncRequest(print, ["a"], fin)  # type: ignore[arg-type]
     assert request.async_fn_args == ("a",)
-    assert isinstance(request.finalize_fns, tuple) and request.finalize_fns == tuple(fin)
+    assert isinstance(request.finalize_fns, list) and request.finalize_fns == list(fin)
     assert request.async_fn_kwargs == {} and request.is_frozen is False
+    assert AsyncRequest(None, ()).finalize_fns == []
     with pytest.raises(dataclasses.FrozenInstanceError):
         request.is_frozen = True  # type: ignore[misc]
+
+
+def test_request_copies_callers_finalize_list() -> None:
+    given: list[Callable[[], Any]] = [lambda: None]
+    request = AsyncRequest(None, (), given)
+    given.append(lambda: None)
+    assert len(request.finalize_fns) == 1 and request.finalize_fns is not given
 
 
 def test_request_rejects_single_callable_as_finalize_fns() -> None:
@@ -62,20 +70,42 @@ def test_request_rejects_single_callable_as_finalize_fns() -> None:
         AsyncRequest(None, (), lambda: None)  # type: ignore[arg-type]
 
 
-def test_add_finalize_fn_returns_new_request() -> None:
+def test_add_finalize_fn_appends_in_place_and_returns_none() -> None:
+    """Megatron-Core's convention: ``req.add_finalize_fn(fn)`` mutates ``req``."""
     first, second = (lambda: None), (lambda: None)
     request = AsyncRequest(None, (), [first])
-    extended = request.add_finalize_fn(second)
-    assert extended.finalize_fns == (first, second)
-    assert request.finalize_fns == (first,)  # the original is unchanged
+    assert request.add_finalize_fn(second) is None  # type: ignore[func-returns-value]
+    assert request.finalize_fns == [first, second]
+
+
+def test_add_finalize_fn_ported_megatron_usage_runs_the_function() -> None:
+    log: list[str] = []
+    request = AsyncRequest(lambda: log.append("write"), ())
+    request.add_finalize_fn(lambda: log.append("fin1"))
+    request.add_finalize_fn(lambda: log.append("fin2"))
+    with AsyncCallsQueue() as queue:
+        queue.schedule_async_request(request)
+    assert log == ["write", "fin1", "fin2"]
+
+
+def test_add_finalize_fn_rejects_non_callable() -> None:
+    request = AsyncRequest(None, ())
+    with pytest.raises(CheckpointingException, match="needs a callable"):
+        request.add_finalize_fn("not callable")  # type: ignore[arg-type]
+    assert request.finalize_fns == []
 
 
 def test_freeze_returns_frozen_copy_that_refuses_finalize_fns() -> None:
-    request = AsyncRequest(None, ())
+    first, later = (lambda: None), (lambda: None)
+    request = AsyncRequest(None, (), [first])
     frozen = request.freeze()
     assert frozen.is_frozen and not request.is_frozen
     with pytest.raises(CheckpointingException, match="frozen AsyncRequest"):
         frozen.add_finalize_fn(lambda: None)
+    assert frozen.finalize_fns == [first]
+    request.add_finalize_fn(later)  # the unfrozen original still accepts functions
+    assert request.finalize_fns == [first, later]
+    assert frozen.finalize_fns == [first]  # ... without reaching the frozen copy
 
 
 def test_execute_sync_runs_fn_then_finalizers_in_caller_thread() -> None:
@@ -155,8 +185,11 @@ def test_blocking_finalize_waits_for_all_calls() -> None:
 def test_finalize_fns_run_in_callers_thread_in_order() -> None:
     threads: list[str] = []
     queue = AsyncCallsQueue()
-    record = [lambda i=i: threads.append(f"{i}:{threading.current_thread().name}")
-              for i in range(3)]
+
+    def recorder(i: int) -> Callable[[], None]:
+        return lambda: threads.append(f"{i}:{threading.current_thread().name}")
+
+    record = [recorder(i) for i in range(3)]
     queue.schedule_async_request(AsyncRequest(lambda: None, (), record))
     queue.close()
     me = threading.current_thread().name
@@ -221,7 +254,7 @@ def test_context_manager_drops_calls_on_exception() -> None:
     queue = AsyncCallsQueue()
     with pytest.raises(ZeroDivisionError), queue:
         queue.schedule_async_request(AsyncRequest(None, (), [lambda: log.append("fin")]))
-        1 / 0  # noqa: B018
+        1 / 0
     assert log == [] and queue.get_num_unfinalized_calls() == 0
 
 

@@ -48,9 +48,11 @@ FinalizeFn = Callable[[], Any]
 class AsyncRequest:
     """An async save: a function to run in the background and the steps that finish it.
 
-    Instances are immutable: ``finalize_fns`` is stored as a tuple and
-    :meth:`add_finalize_fn` returns a new request. (Megatron-Core mutates the request
-    in place; write ``request = request.add_finalize_fn(fn)`` here.)
+    As in Megatron-Core, :meth:`add_finalize_fn` appends to the request in place and
+    returns ``None`` (``req.add_finalize_fn(fn)``). The fields themselves cannot be
+    reassigned; ``finalize_fns`` is a list owned by the request (a copy of the one
+    given), extended only through :meth:`add_finalize_fn`. :meth:`freeze` returns a
+    frozen copy, to which nothing can be added; scheduling freezes the request.
 
     Args:
         async_fn: persists the data; called as ``async_fn(*async_fn_args,
@@ -58,45 +60,51 @@ class AsyncRequest:
             finalize.
         async_fn_args: positional arguments of ``async_fn``.
         finalize_fns: zero-argument callables run in order, in the caller's thread,
-            after ``async_fn`` is done on every rank. A list is accepted and stored as
-            a tuple.
+            after ``async_fn`` is done on every rank. Copied into a new list.
         async_fn_kwargs: keyword arguments of ``async_fn``.
         is_frozen: once True, no finalize function can be added.
     """
 
     async_fn: Callable[..., Any] | None
     async_fn_args: tuple[Any, ...]
-    finalize_fns: Sequence[FinalizeFn] = ()
+    finalize_fns: list[FinalizeFn] = field(default_factory=list)
     async_fn_kwargs: Mapping[str, Any] = field(default_factory=dict)
     is_frozen: bool = False
 
     def __post_init__(self) -> None:
-        # Normalise sequences given by callers (Megatron passes lists) to tuples.
+        # Normalise what callers give (Megatron passes lists); copy so that the
+        # caller's list and the request never alias.
         object.__setattr__(self, "async_fn_args", tuple(self.async_fn_args))
-        object.__setattr__(self, "finalize_fns", tuple(_as_sequence(self.finalize_fns)))
+        object.__setattr__(self, "finalize_fns", list(_as_sequence(self.finalize_fns)))
         object.__setattr__(self, "async_fn_kwargs", dict(self.async_fn_kwargs))
 
-    def add_finalize_fn(self, fn: FinalizeFn) -> AsyncRequest:
-        """Return a copy of this request with ``fn`` run after the existing finalize fns.
+    def add_finalize_fn(self, fn: FinalizeFn) -> None:
+        """Append ``fn`` to this request's finalize functions (in place, as Megatron-Core).
 
         Args:
-            fn: a zero-argument callable.
-
-        Returns:
-            A new, unfrozen request; this one is unchanged.
+            fn: a zero-argument callable, run after the existing finalize functions.
 
         Raises:
-            CheckpointingException: the request is frozen (it was already scheduled).
+            CheckpointingException: the request is frozen (it was already scheduled),
+                or ``fn`` is not callable.
         """
         if self.is_frozen:
             raise CheckpointingException(
                 "cannot add a finalize function to a frozen AsyncRequest "
                 "(it has been scheduled already)"
             )
-        return dataclasses.replace(self, finalize_fns=(*self.finalize_fns, fn))
+        if not callable(fn):
+            raise CheckpointingException(
+                f"AsyncRequest.add_finalize_fn needs a callable, got {type(fn).__name__}"
+            )
+        self.finalize_fns.append(fn)
 
     def freeze(self) -> AsyncRequest:
-        """Return a copy of this request to which no finalize function can be added."""
+        """Return a frozen copy of this request (its own list of finalize functions).
+
+        Adding a finalize function to the copy raises; this request stays unfrozen
+        and later additions to it do not reach the copy.
+        """
         return dataclasses.replace(self, is_frozen=True)
 
     def execute_sync(self) -> None:
