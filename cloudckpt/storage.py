@@ -37,6 +37,8 @@ from cloudckpt.errors import CheckpointNotFoundError, InvalidKeyError, StorageEr
 logger = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
+FileSystem = fsspec.AbstractFileSystem
+"""The filesystem type strategies accept (``fs=``); other modules never import fsspec."""
 T = TypeVar("T")
 R = TypeVar("R")
 

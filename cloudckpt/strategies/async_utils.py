@@ -333,6 +333,4 @@ class AsyncCallsQueue:
             dist.raise_if_any_rank_failed(call.error, what)
             raise DistributedCheckpointError(f"{what} failed on another rank")
         error = call.error
-        raise CheckpointingException(
-            f"{what} failed: {type(error).__name__}: {error}"
-        ) from error
+        raise CheckpointingException(f"{what} failed: {type(error).__name__}: {error}") from error

@@ -31,6 +31,7 @@ from cloudckpt.errors import (
     IncompatibleCheckpointError,
     StrategyNotFoundError,
 )
+from cloudckpt.storage import CheckpointStorage, FileSystem, open_checkpoint
 from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 if TYPE_CHECKING:
@@ -172,7 +173,11 @@ def register_default_strategy(
     if previous is not None and previous is not strategy:
         logger.debug(
             "replacing default %s strategy for (%s, %s): %s -> %s",
-            action.value, backend, version, previous, strategy,
+            action.value,
+            backend,
+            version,
+            previous,
+            strategy,
         )
     default_strategies[action.value][(backend, version)] = strategy
 
@@ -266,9 +271,7 @@ class LoadShardedStrategy(LoadStrategyBase):
     """Loads the sharded tensors of a checkpoint (and, if able, its sharded objects)."""
 
     @abstractmethod
-    def load(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str
-    ) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> StateDict:
         """Load every ShardedTensor of ``sharded_state_dict`` from ``checkpoint_dir``.
 
         Returns:
@@ -351,9 +354,7 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     """
 
     @abstractmethod
-    def async_save(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str
-    ) -> AsyncRequest:
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> AsyncRequest:
         """Prepare the save of ``sharded_state_dict`` and return it as a request.
 
         Returns:
@@ -393,3 +394,48 @@ def check_compatibility(
             f"checkpoint {uri} was written by backend {backend!r} version {version}, "
             f"which {type(strategy).__name__} cannot load: {exc}"
         ) from exc
+
+
+class StorageBackedMixin:
+    """For strategies doing I/O through :mod:`cloudckpt.storage`.
+
+    Holds an optional filesystem (``fs``) and fsspec ``storage_options``; without a
+    filesystem, each call resolves one from the checkpoint URI.
+    """
+
+    fs: FileSystem | None = None
+    storage_options: dict[str, Any] | None = None
+
+    def _set_storage(self, fs: FileSystem | None, storage_options: dict[str, Any] | None) -> None:
+        self.fs = fs
+        self.storage_options = storage_options
+
+    def _storage(self, checkpoint_dir: CheckpointDir) -> CheckpointStorage:
+        return open_checkpoint(checkpoint_uri(checkpoint_dir), self.fs, self.storage_options)
+
+
+class SingleFormatLoadMixin:
+    """Real compatibility checks for a load strategy that reads one (backend, version).
+
+    The class sets ``backend`` and ``version``; a checkpoint recording anything else
+    is refused with :class:`IncompatibleCheckpointError`.
+    """
+
+    backend: str
+    version: int
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raise unless ``loaded_backend`` is this strategy's backend."""
+        if loaded_backend != self.backend:
+            raise IncompatibleCheckpointError(
+                f"{type(self).__name__} reads backend {self.backend!r}, "
+                f"checkpoint has {loaded_backend!r}"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raise unless ``loaded_version`` is this strategy's format version."""
+        if loaded_version != self.version:
+            raise IncompatibleCheckpointError(
+                f"{type(self).__name__} reads {self.backend!r} format version {self.version}, "
+                f"checkpoint has version {loaded_version!r}"
+            )

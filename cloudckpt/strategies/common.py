@@ -14,24 +14,23 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import re
 from typing import Any
 
-import fsspec
 import torch
 
 from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
-    IncompatibleCheckpointError,
 )
 from cloudckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
-from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult, open_checkpoint
+from cloudckpt.storage import CheckpointStorage, FileSystem, ReadRequest, WriteResult
 from cloudckpt.strategies.base import (
     LoadCommonStrategy,
     SaveCommonStrategy,
+    SingleFormatLoadMixin,
+    StorageBackedMixin,
     StrategyAction,
     register_default_strategy,
 )
@@ -50,29 +49,18 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-class _StorageBacked:
-    """Holds the optional filesystem / storage options of a strategy."""
-
-    fs: fsspec.AbstractFileSystem | None
-    storage_options: dict[str, Any] | None
-
-    def _storage(self, checkpoint_dir: str) -> CheckpointStorage:
-        return open_checkpoint(os.fspath(checkpoint_dir), self.fs, self.storage_options)
-
-
-class TorchCommonSaveStrategy(_StorageBacked, SaveCommonStrategy):
+class TorchCommonSaveStrategy(StorageBackedMixin, SaveCommonStrategy):
     """Save common state and ShardedObjects with ``torch.save`` through the storage layer."""
 
     def __init__(
         self,
         backend: str = BACKEND,
         version: int = VERSION,
-        fs: fsspec.AbstractFileSystem | None = None,
+        fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(backend, version)
-        self.fs = fs
-        self.storage_options = storage_options
+        self._set_storage(fs, storage_options)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -97,7 +85,7 @@ class TorchCommonSaveStrategy(_StorageBacked, SaveCommonStrategy):
         return storage.write_many(writes)
 
 
-class TorchCommonLoadStrategy(_StorageBacked, LoadCommonStrategy):
+class TorchCommonLoadStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadCommonStrategy):
     """Load ``common.pt`` and ShardedObjects.
 
     Args:
@@ -109,14 +97,13 @@ class TorchCommonLoadStrategy(_StorageBacked, LoadCommonStrategy):
         self,
         backend: str = BACKEND,
         version: int = VERSION,
-        fs: fsspec.AbstractFileSystem | None = None,
+        fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
         weights_only: bool = False,
     ) -> None:
         self.backend = backend
         self.version = version
-        self.fs = fs
-        self.storage_options = storage_options
+        self._set_storage(fs, storage_options)
         self.weights_only = weights_only
 
     @property
@@ -186,22 +173,6 @@ class TorchCommonLoadStrategy(_StorageBacked, LoadCommonStrategy):
                 obj = ShardedObject.empty_from_unique_key(path[: -len(".pt")])
                 out[obj.unique_key] = obj
         return out
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        """Raise unless the common state was written by the "torch" backend."""
-        if loaded_backend != BACKEND:
-            raise IncompatibleCheckpointError(
-                f"{type(self).__name__} reads common backend {BACKEND!r}, checkpoint has "
-                f"{loaded_backend!r}"
-            )
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        """Raise unless the common-state format version is 1."""
-        if loaded_version != VERSION:
-            raise IncompatibleCheckpointError(
-                f"{type(self).__name__} reads common backend version {VERSION}, checkpoint "
-                f"has {loaded_version!r}"
-            )
 
 
 register_default_strategy(StrategyAction.SAVE_COMMON, BACKEND, VERSION, TorchCommonSaveStrategy())

@@ -12,12 +12,10 @@ shard reads the chunks (and, for raw chunks, only the rows) it overlaps.
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import fsspec
 import torch
 
 from cloudckpt import dist
@@ -25,14 +23,15 @@ from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
-    IncompatibleCheckpointError,
 )
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
-from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
+from cloudckpt.storage import FileSystem, WriteResult, open_checkpoint
 from cloudckpt.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
+    SingleFormatLoadMixin,
+    StorageBackedMixin,
     StrategyAction,
     register_default_strategy,
 )
@@ -70,7 +69,7 @@ def _chunk_path(sh: ShardedTensor, meta: ArrayMeta, index: tuple[int, ...]) -> s
     return f"{sh.key}/{meta.chunk_key(index)}"
 
 
-class ZarrSaveShardedStrategy(SaveShardedStrategy):
+class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
     """Save ShardedTensors as zarr v2 arrays through the storage layer.
 
     Args:
@@ -84,12 +83,11 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         self,
         backend: str = BACKEND,
         version: int = VERSION,
-        fs: fsspec.AbstractFileSystem | None = None,
+        fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(backend, version)
-        self.fs = fs
-        self.storage_options = storage_options
+        self._set_storage(fs, storage_options)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> list[WriteResult]:
         """Write this rank's main-replica chunks; collective when tensors are flattened.
@@ -97,7 +95,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         Returns:
             One WriteResult per object this rank wrote.
         """
-        storage = open_checkpoint(os.fspath(checkpoint_dir), self.fs, self.storage_options)
+        storage = self._storage(checkpoint_dir)
         tensors = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
         flat = [t for t in tensors if t.flattened_range is not None]
         writes = []
@@ -190,7 +188,7 @@ def _exchange_plan(
     return buffers, sends, recvs
 
 
-class ZarrLoadShardedStrategy(LoadShardedStrategy):
+class ZarrLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadShardedStrategy):
     """Load ShardedTensors from zarr v2 arrays, resharding as needed.
 
     Reads checkpoints written by cloudckpt and by Megatron-Core's zarr backend
@@ -201,16 +199,12 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         self,
         backend: str = BACKEND,
         version: int = VERSION,
-        fs: fsspec.AbstractFileSystem | None = None,
+        fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.backend = backend
         self.version = version
-        self.fs = fs
-        self.storage_options = storage_options
-
-    def _storage(self, checkpoint_dir: str) -> CheckpointStorage:
-        return open_checkpoint(os.fspath(checkpoint_dir), self.fs, self.storage_options)
+        self._set_storage(fs, storage_options)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> StateDict:
         """Return ``sharded_state_dict`` with every ShardedTensor replaced by its data."""
@@ -241,22 +235,6 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             if key.startswith(key_prefix):
                 logger.info("removing tensor %s from %s", key, storage.uri)
                 storage.delete(key, recursive=True)
-
-    def check_backend_compatibility(self, loaded_backend: str) -> None:
-        """Raise unless the checkpoint was written by the zarr backend."""
-        if loaded_backend != BACKEND:
-            raise IncompatibleCheckpointError(
-                f"{type(self).__name__} reads backend {BACKEND!r}, "
-                f"checkpoint has {loaded_backend!r}"
-            )
-
-    def check_version_compatibility(self, loaded_version: int) -> None:
-        """Raise unless the checkpoint's zarr format version is one this strategy reads."""
-        if loaded_version != VERSION:
-            raise IncompatibleCheckpointError(
-                f"{type(self).__name__} reads zarr format version {VERSION}, "
-                f"checkpoint has version {loaded_version!r}"
-            )
 
 
 def load_zarr_based_sharded_metadata(
