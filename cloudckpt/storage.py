@@ -19,6 +19,7 @@ Many requests run concurrently in a thread pool bounded by one knob,
 from __future__ import annotations
 
 import builtins
+import io
 import logging
 import os
 import posixpath
@@ -99,6 +100,46 @@ def validate_relpath(key: str, uri: str = "") -> str:
     return key
 
 
+class _BufferReader(io.RawIOBase):
+    """A seekable, read-only file over a memoryview, without copying it.
+
+    botocore takes bytes or a file-like body, not a memoryview; this lets s3fs send
+    tensor memory as is. Slicing (``reader[a:b]``), which s3fs uses to cut multipart
+    parts, returns another reader over the same memory.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._view.nbytes
+
+    def __getitem__(self, index: slice) -> _BufferReader:
+        return _BufferReader(self._view[index])
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._view[self._pos : self._pos + len(memoryview(buffer).cast("B"))]
+        memoryview(buffer).cast("B")[: chunk.nbytes] = chunk
+        self._pos += chunk.nbytes
+        return chunk.nbytes
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
 def _as_bytes_view(data: Buffer) -> memoryview:
     view = memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -135,6 +176,8 @@ class CheckpointStorage:
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") if root not in ("/", "") else root
         self._is_local = isinstance(fs, LocalFileSystem)
+        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+        self._wants_file_body = any(p in ("s3", "s3a") for p in protocols)
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.uri!r})"
@@ -164,7 +207,7 @@ class CheckpointStorage:
         try:
             if self._is_local:
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            self.fs.pipe_file(path, view)
+            self.fs.pipe_file(path, _BufferReader(view) if self._wants_file_body else view)
         except Exception as exc:
             raise StorageError(f"failed to write {self.child_uri(relpath)}: {exc}") from exc
         return WriteResult(relpath, view.nbytes, checksum)

@@ -8,6 +8,8 @@ import pytest
 
 from cloudckpt.launch import RankPool
 
+pytest_plugins = ["tests.fixtures_object_stores"]
+
 WORLD_SIZE = 4
 
 
