@@ -252,3 +252,64 @@ def _global_unexpected_scenario(rank: int, world: int, uri: str) -> tuple:
 
 def test_unexpected_keys_are_judged_across_all_ranks(rank_pool, tmp_path):
     assert rank_pool.run(_global_unexpected_scenario, str(tmp_path / "ckpt")) == [([], [])] * 4
+
+
+def _outcome(fn) -> str:  # type: ignore[no-untyped-def]
+    try:
+        result = fn()
+    except (cloudckpt.CheckpointingException, KeyError) as exc:
+        return type(exc).__name__
+    if isinstance(result, tuple):
+        state, missing, unexpected = result
+        return f"keys={sorted(state)} missing={sorted(missing)} unexpected={sorted(unexpected)}"
+    return f"keys={sorted(result)}"
+
+
+def _strict_modes_scenario(rank: int, world: int, uri: str) -> dict:
+    """Saved: k0..k3 and 'spare'. Rank r requests k<r> plus 'absent<r>' (missing);
+    nobody requests 'spare' (unexpected)."""
+    keys = [f"k{r}" for r in range(world)] + ["spare"]
+    state = {
+        k: ShardedTensor.from_rank_offsets(k, reference(k, (2,)), replica_id=rank) for k in keys
+    }
+    cloudckpt.save(state, uri)
+
+    def request(with_missing: bool) -> dict:
+        wanted = [f"k{rank}"] + ([f"absent{rank}"] if with_missing else [])
+        return {k: ShardedTensor.from_rank_offsets(k, torch.empty(2)) for k in wanted}
+
+    outcomes = {}
+    for mode in StrictHandling:
+        for with_missing in (False, True):
+            outcomes[(mode.value, with_missing)] = _outcome(
+                lambda m=mode, w=with_missing: cloudckpt.load(
+                    request(w), uri, validate_access_integrity=False, strict=m
+                )
+            )
+    return outcomes
+
+
+def test_every_strict_mode_across_ranks(rank_pool, tmp_path):
+    results = rank_pool.run(_strict_modes_scenario, str(tmp_path / "ckpt"))
+    for rank, outcomes in enumerate(results):
+        own, gone = f"k{rank}", f"absent{rank}"
+        ok, ok_dropped = f"keys=['{own}']", f"keys=['{own}']"
+        expected = {
+            ("assume_ok_unexpected", False): ok,
+            ("assume_ok_unexpected", True): "CheckpointNotFoundError",
+            ("log_unexpected", False): ok,
+            ("log_unexpected", True): "CheckpointNotFoundError",
+            ("log_all", False): ok,
+            ("log_all", True): ok_dropped,
+            ("raise_unexpected", False): "UnexpectedKeysError",
+            ("raise_unexpected", True): "UnexpectedKeysError",
+            ("raise_all", False): "UnexpectedKeysError",
+            ("raise_all", True): "MissingKeysError",
+            ("return_unexpected", False): f"{ok} missing=[] unexpected=['spare']",
+            ("return_unexpected", True): "CheckpointNotFoundError",
+            ("return_all", False): f"{ok} missing=[] unexpected=['spare']",
+            ("return_all", True): f"{ok_dropped} missing=['{gone}'] unexpected=['spare']",
+            ("ignore_all", False): ok,
+            ("ignore_all", True): ok_dropped,
+        }
+        assert outcomes == expected, rank

@@ -20,7 +20,11 @@ from cloudckpt.errors import (
     UncommittedCheckpointError,
     UnexpectedKeysError,
 )
-from cloudckpt.strategies.zarr import ZarrLoadShardedStrategy
+from cloudckpt.strategies.zarr import (
+    ZarrLoadShardedStrategy,
+    flatten_range,
+    pad_to_expected_shape,
+)
 
 DTYPES = [
     torch.bfloat16,
@@ -264,3 +268,20 @@ def test_strict_ignore_all_drops_missing_silently(saved, caplog):
 def test_unknown_strict_value(saved):
     with pytest.raises(ValueError, match="raise_all"):
         cloudckpt.load(_req("a"), saved, strict="sometimes")
+
+
+def test_zarr_flatten_range_and_pad_to_expected_shape():
+    x = torch.arange(12.0).reshape(3, 4)
+    flat = ShardedTensor.from_rank_offsets_flat(
+        "f", torch.empty(5), (3, 4), flattened_range=slice(2, 7)
+    )
+    assert torch.equal(flatten_range(flat, x), torch.arange(2.0, 7.0))
+    plain = ShardedTensor.from_rank_offsets("p", torch.empty(3, 4))
+    assert flatten_range(plain, x) is x
+    wide = ShardedTensor.from_rank_offsets("w", torch.empty(2, 6), allow_shape_mismatch=True)
+    padded = pad_to_expected_shape(x, wide)
+    assert padded.shape == (2, 6)
+    assert torch.equal(padded[:, :4], x[:2]) and torch.equal(padded[:, 4:], torch.zeros(2, 2))
+    assert pad_to_expected_shape(x, plain) is x
+    with pytest.raises(cloudckpt.CheckpointingException, match="'w'"):
+        pad_to_expected_shape(torch.zeros(3), wide)

@@ -253,6 +253,34 @@ def load_zarr_based_sharded_metadata(
     return out
 
 
+def flatten_range(sharded_tensor: ShardedTensor, x: torch.Tensor) -> torch.Tensor:
+    """Apply ``sharded_tensor.flattened_range`` (if any) to ``x`` of the local shape."""
+    if sharded_tensor.flattened_range is None:
+        return x
+    return x.reshape(-1)[sharded_tensor.flattened_range]
+
+
+def pad_to_expected_shape(x: torch.Tensor, expected_sharded_ten: ShardedTensor) -> torch.Tensor:
+    """Cut ``x`` to, or zero-pad it to, the local shape ``expected_sharded_ten`` asks for.
+
+    Used with ``allow_shape_mismatch``: the stored tensor's global shape may differ
+    from the requested one; extra elements are dropped and missing ones are zeros,
+    at the end of each axis.
+    """
+    expected = tuple(expected_sharded_ten.local_shape)
+    if tuple(x.shape) == expected:
+        return x
+    if x.dim() != len(expected):
+        raise CheckpointingException(
+            f"tensor {expected_sharded_ten.key!r}: cannot pad a {x.dim()}-d tensor to "
+            f"shape {expected}"
+        )
+    out = torch.zeros(expected, dtype=x.dtype, device=x.device)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(x.shape, expected, strict=True))
+    out[common] = x[common]
+    return out
+
+
 def register_default_zarr_strategies() -> None:
     """Register the zarr save and load strategies as defaults for ("zarr", 1)."""
     register_default_strategy(
