@@ -20,8 +20,9 @@ import itertools
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
+from typing import Any
 
 from cloudckpt.errors import ShardingValidationError
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
@@ -186,15 +187,17 @@ def _tensor_violations(key: str, entries: list[RankShard]) -> list[str]:
     return _flat_coverage_violations(key, grid, math.prod(shape), cells)
 
 
+def _uncovered_chunks(key: str, grid: tuple[int, ...], cells: Mapping[Any, object]) -> list[str]:
+    missing = [i for i in _grid_indices(grid) if i not in cells]
+    if not missing:
+        return []
+    return [f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: {_listing(missing)}"]
+
+
 def _coverage_violations(
     key: str, grid: tuple[int, ...], cells: dict[tuple[int, ...], list[int]]
 ) -> list[str]:
-    out = []
-    missing = [i for i in _grid_indices(grid) if i not in cells]
-    if missing:
-        out.append(
-            f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: {_listing(missing)}"
-        )
+    out = _uncovered_chunks(key, grid, cells)
     for index, ranks in sorted(cells.items()):
         if len(ranks) > 1:
             out.append(
@@ -207,12 +210,7 @@ def _coverage_violations(
 def _flat_coverage_violations(
     key: str, grid: tuple[int, ...], numel: int, cells: dict[tuple[int, ...], list[RankShard]]
 ) -> list[str]:
-    out = []
-    missing = [i for i in _grid_indices(grid) if i not in cells]
-    if missing:
-        out.append(
-            f"tensor {key!r}: {len(missing)} chunk(s) have no main replica: {_listing(missing)}"
-        )
+    out = _uncovered_chunks(key, grid, cells)
     for index, pieces in sorted(cells.items()):
         spans = sorted(
             (sh.flattened_range.start, sh.flattened_range.stop, r)  # type: ignore[attr-defined]
