@@ -59,7 +59,7 @@ def _ints(x: Any) -> tuple[int, ...]:
 
 
 def _set(t: tuple[int, ...], i: int, v: int) -> tuple[int, ...]:
-    return (*t[:i], v, *t[i + 1:])
+    return (*t[:i], v, *t[i + 1 :])
 
 
 @dataclass
@@ -117,13 +117,16 @@ class ShardedTensor(ShardedBase):
     def _rank_violations(self) -> list[str]:
         ndim, out, rng = len(self.global_shape), [], self.flattened_range
         if self.prepend_axis_num < 0 or len(self.local_shape) + self.prepend_axis_num != ndim:
-            out.append(f"local_shape {self.local_shape} with prepend_axis_num="
-                       f"{self.prepend_axis_num} does not fit global_shape {self.global_shape}")
+            out.append(
+                f"local_shape {self.local_shape} with prepend_axis_num="
+                f"{self.prepend_axis_num} does not fit global_shape {self.global_shape}"
+            )
         if len(self.global_offset) != ndim:
             out.append(f"global_offset {self.global_offset} has not the rank of global_shape")
         if len(self.axis_fragmentations or self.global_shape) != ndim:
-            out.append(f"axis_fragmentations {self.axis_fragmentations} has not the rank "
-                       "of global_shape")
+            out.append(
+                f"axis_fragmentations {self.axis_fragmentations} has not the rank of global_shape"
+            )
         if rng is not None and not (isinstance(rng.start, int) and isinstance(rng.stop, int)):
             out.append(f"flattened_range {rng} needs integer start and stop")
         return out
@@ -147,13 +150,15 @@ class ShardedTensor(ShardedBase):
 
     def _bounds_violations(self) -> list[str]:
         out, extents = [], (1,) * self.prepend_axis_num + self.local_shape
-        for axis, (off, ext, size) in enumerate(zip(self.global_offset, extents,
-                                                    self.global_shape, strict=True)):
+        for axis, (off, ext, size) in enumerate(
+            zip(self.global_offset, extents, self.global_shape, strict=True)
+        ):
             if min(off, ext, size) < 0:
                 out.append(f"axis {axis}: negative offset or shape")
             elif off + ext > size and not self.allow_shape_mismatch:
-                out.append(f"axis {axis}: offset {off} + local extent {ext} exceeds global "
-                           f"shape {size}")
+                out.append(
+                    f"axis {axis}: offset {off} + local extent {ext} exceeds global shape {size}"
+                )
         if any(f < 1 for f in self.axis_fragmentations or ()):
             out.append(f"axis_fragmentations {self.axis_fragmentations} must be positive")
         return out
@@ -180,8 +185,9 @@ class ShardedTensor(ShardedBase):
         """
         rng = self.flattened_range
         if rng is None:
-            raise CheckpointingException(f"coordinates are undefined for ShardedTensor "
-                                         f"{self.key!r} without flattened_range")
+            raise CheckpointingException(
+                f"coordinates are undefined for ShardedTensor {self.key!r} without flattened_range"
+            )
         flat = np.arange(rng.start, rng.stop, dtype=np.int64)
         if not self.local_shape:  # a 0-D shard has no local axes
             return ()
@@ -212,7 +218,8 @@ class ShardedTensor(ShardedBase):
             if (off % ext if ext else off) != 0:
                 raise CheckpointingException(
                     f"ShardedTensor {self.key!r}: offset {off} on axis {axis} is not a multiple "
-                    f"of the local extent {ext}; the shard is not aligned to a chunk grid")
+                    f"of the local extent {ext}; the shard is not aligned to a chunk grid"
+                )
             chunk.append(off // ext if ext else 0)
         return tuple(chunk)
 
@@ -229,7 +236,8 @@ class ShardedTensor(ShardedBase):
             if size % fragm and not self.allow_shape_mismatch:
                 raise CheckpointingException(
                     f"ShardedTensor {self.key!r}: axis {axis} of size {size} is not divisible "
-                    f"by its fragmentation {fragm}")
+                    f"by its fragmentation {fragm}"
+                )
         return tuple(size // fragm for size, fragm in pairs)
 
     def without_data(self) -> ShardedTensor:
@@ -237,9 +245,16 @@ class ShardedTensor(ShardedBase):
         return replace(self, data=None)
 
     @classmethod
-    def from_rank_offsets(cls, key: str, data: torch.Tensor, *rank_offsets: tuple[int, int, int],
-                          replica_id: ReplicaId = 0, prepend_axis_num: int = 0,
-                          flattened_range: None = None, **init_kwargs: Any) -> ShardedTensor:
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        flattened_range: None = None,
+        **init_kwargs: Any,
+    ) -> ShardedTensor:
         """Build a ShardedTensor from the local tensor and its chunk index along split axes.
 
         Args:
@@ -257,7 +272,8 @@ class ShardedTensor(ShardedBase):
         if flattened_range is not None:
             raise ShardingValidationError(
                 f"ShardedTensor {key!r}: from_rank_offsets cannot build a flat ShardedTensor; "
-                "use ShardedTensor.from_rank_offsets_flat")
+                "use ShardedTensor.from_rank_offsets_flat"
+            )
         extents = (1,) * prepend_axis_num + tuple(data.shape)
         shape, offset, fragms = extents, (0,) * len(extents), (1,) * len(extents)
         seen: set[int] = set()
@@ -266,14 +282,29 @@ class ShardedTensor(ShardedBase):
             shape = _set(shape, axis, fragm * extents[axis])
             offset = _set(offset, axis, rank * extents[axis])
             fragms = _set(fragms, axis, fragm)
-        return cls(key, data, data.dtype, tuple(data.shape), shape, offset, fragms,
-                   replica_id, prepend_axis_num, **init_kwargs)
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            shape,
+            offset,
+            fragms,
+            replica_id,
+            prepend_axis_num,
+            **init_kwargs,
+        )
 
     @classmethod
-    def from_rank_offsets_flat(cls, key: str, data: torch.Tensor,
-                               non_flat_local_shape: tuple[int, ...], *args: Any,
-                               flattened_range: slice | None = None,
-                               **kwargs: Any) -> ShardedTensor:
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        non_flat_local_shape: tuple[int, ...],
+        *args: Any,
+        flattened_range: slice | None = None,
+        **kwargs: Any,
+    ) -> ShardedTensor:
         """Build a flat ShardedTensor: ``data`` is ``local.flatten()[flattened_range]``.
 
         ``non_flat_local_shape`` is the shape of the whole local shard; ``*args`` and
@@ -285,17 +316,20 @@ class ShardedTensor(ShardedBase):
                 or invalid rank offsets.
         """
         rng = flattened_range
-        if rng is None or not (isinstance(rng.start, int) and isinstance(rng.stop, int)
-                               and rng.start < rng.stop):
+        if rng is None or not (
+            isinstance(rng.start, int) and isinstance(rng.stop, int) and rng.start < rng.stop
+        ):
             raise ShardingValidationError(
                 f"ShardedTensor {key!r}: from_rank_offsets_flat needs a non-empty integer "
-                f"flattened_range, got {rng} (use from_rank_offsets for a non-flat tensor)")
+                f"flattened_range, got {rng} (use from_rank_offsets for a non-flat tensor)"
+            )
         meta = torch.empty(tuple(non_flat_local_shape), dtype=data.dtype, device="meta")
         non_flat = cls.from_rank_offsets(key, meta, *args, **kwargs)
         return replace(non_flat, data=data, flattened_range=rng)
 
-    def init_data(self, device: str | torch.device,
-                  init_fn: Callable[..., torch.Tensor] = torch.empty) -> None:
+    def init_data(
+        self, device: str | torch.device, init_fn: Callable[..., torch.Tensor] = torch.empty
+    ) -> None:
         """Allocate ``data`` when it is None; a no-op otherwise.
 
         ``init_fn(shape, dtype=self.dtype, device=device)`` is called with ``local_shape``,
@@ -326,7 +360,8 @@ class ShardedTensor(ShardedBase):
             data = None if data is None else data.narrow(dim, start, length)
         elif dim != 0:
             raise CheckpointingException(
-                f"ShardedTensor {self.key!r}: a flat shard narrows only along dim 0, not {dim}")
+                f"ShardedTensor {self.key!r}: a flat shard narrows only along dim 0, not {dim}"
+            )
         else:
             row = math.prod(self.local_shape[1:])
             lo, hi = max(rng.start, start * row), min(rng.stop, (start + length) * row)
@@ -334,46 +369,63 @@ class ShardedTensor(ShardedBase):
                 return []
             data = None if data is None else data[lo - rng.start : hi - rng.start]
             rng = slice(lo - start * row, hi - start * row)
-        return [replace(self, data=data, local_shape=_set(self.local_shape, dim, length),
-                        global_shape=global_shape, global_offset=global_offset,
-                        flattened_range=rng)]
+        return [
+            replace(
+                self,
+                data=data,
+                local_shape=_set(self.local_shape, dim, length),
+                global_shape=global_shape,
+                global_offset=global_offset,
+                flattened_range=rng,
+            )
+        ]
 
-    def _narrowed_global(self, dim: int, start: int,
-                         length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _narrowed_global(
+        self, dim: int, start: int, length: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if not 0 <= dim < len(self.local_shape):
             raise CheckpointingException(f"ShardedTensor {self.key!r}: bad narrow dim {dim}")
         ext = self.local_shape[dim]
         if start < 0 or length < 0 or start + length > ext:
             raise CheckpointingException(
                 f"ShardedTensor {self.key!r}: narrow({dim}, {start}, {length}) exceeds the "
-                f"local extent {ext}")
+                f"local extent {ext}"
+            )
         gdim = dim + self.prepend_axis_num
         size, off = self.global_shape[gdim], self.global_offset[gdim]
         if ext == 0 or size % ext or off % ext:
             raise CheckpointingException(
                 f"ShardedTensor {self.key!r}: narrowing needs a regular grid along dim {dim} "
-                f"(global size {size} and offset {off} multiples of local extent {ext})")
-        return (_set(self.global_shape, gdim, size // ext * length),
-                _set(self.global_offset, gdim, off // ext * length))
+                f"(global size {size} and offset {off} multiples of local extent {ext})"
+            )
+        return (
+            _set(self.global_shape, gdim, size // ext * length),
+            _set(self.global_offset, gdim, off // ext * length),
+        )
 
 
-def _check_rank_offset(key: str, rank_offset: Any, ndim: int,
-                       seen: set[int]) -> tuple[int, int, int]:
+def _check_rank_offset(
+    key: str, rank_offset: Any, ndim: int, seen: set[int]
+) -> tuple[int, int, int]:
     """Validate one (axis, axis_rank_offset, axis_fragm) triple and record its axis."""
     try:
         axis, rank, fragm = (int(v) for v in rank_offset)
     except (TypeError, ValueError) as exc:
         raise ShardingValidationError(
             f"ShardedTensor {key!r}: rank offset {rank_offset!r} is not an "
-            "(axis, axis_rank_offset, axis_fragm) triple") from exc
-    checks = ((not 0 <= axis < ndim, f"axis {axis} is outside the {ndim} global axes"),
-              (axis in seen, f"axis {axis} is given more than once"),
-              (fragm < 1, f"axis fragmentation {fragm} must be positive"),
-              (not 0 <= rank < fragm, f"axis rank offset {rank} is outside [0, {fragm})"))
+            "(axis, axis_rank_offset, axis_fragm) triple"
+        ) from exc
+    checks = (
+        (not 0 <= axis < ndim, f"axis {axis} is outside the {ndim} global axes"),
+        (axis in seen, f"axis {axis} is given more than once"),
+        (fragm < 1, f"axis fragmentation {fragm} must be positive"),
+        (not 0 <= rank < fragm, f"axis rank offset {rank} is outside [0, {fragm})"),
+    )
     problem = next((message for failed, message in checks if failed), None)
     if problem is not None:
         raise ShardingValidationError(
-            f"ShardedTensor {key!r}: invalid rank offset {tuple(rank_offset)}: {problem}")
+            f"ShardedTensor {key!r}: invalid rank offset {tuple(rank_offset)}: {problem}"
+        )
     seen.add(axis)
     return axis, rank, fragm
 
@@ -462,7 +514,8 @@ class ShardedObject(ShardedBase):
             offset, shape = (tuple(int(v) for v in p.split(".")) if p else () for p in parts[1:])
         except ValueError as exc:
             raise CheckpointingException(
-                f"Malformed ShardedObject unique key {unique_key!r}: {exc}") from exc
+                f"Malformed ShardedObject unique key {unique_key!r}: {exc}"
+            ) from exc
         return cls(key, None, shape, offset, replica_id)
 
 
@@ -496,7 +549,8 @@ class ShardedTensorFactory(ShardedBase):
         """
         if self.data is None:
             raise CheckpointingException(
-                f"ShardedTensorFactory {self.key!r} has no data to build from")
+                f"ShardedTensorFactory {self.key!r} has no data to build from"
+            )
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
 
     def validate_metadata_integrity(self) -> None:
@@ -533,15 +587,19 @@ def apply_factory_merges(x1: Any, x2: Any, key: tuple[Any, ...] = ()) -> Any:
     if isinstance(x2, list) and not (isinstance(x1, list) and len(x1) == len(x2)):
         raise CheckpointingException(
             f"apply_factory_merges: {type(x1).__name__} at key {key} does not match a list of "
-            f"length {len(x2)}")
+            f"length {len(x2)}"
+        )
     items = enumerate(x2) if isinstance(x2, list) else x2.items() if isinstance(x2, dict) else None
     if items is None or not isinstance(x1, (dict, list)):
-        raise CheckpointingException(f"apply_factory_merges: cannot merge {type(x2).__name__} "
-                                     f"into {type(x1).__name__} at key {key}")
+        raise CheckpointingException(
+            f"apply_factory_merges: cannot merge {type(x2).__name__} "
+            f"into {type(x1).__name__} at key {key}"
+        )
     for k, v2 in items:
         in_x1 = k in x1 if isinstance(x1, dict) else isinstance(k, int) and 0 <= k < len(x1)
         if not in_x1:
             raise CheckpointingException(
-                f"apply_factory_merges: key {(*key, k)} is missing from the loaded state dict")
+                f"apply_factory_merges: key {(*key, k)} is missing from the loaded state dict"
+            )
         x1[k] = apply_factory_merges(x1[k], v2, (*key, k))
     return x1

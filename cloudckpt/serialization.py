@@ -326,7 +326,7 @@ def load(
     tensors_loaded = [t for t in nested_values(loaded) if isinstance(t, torch.Tensor)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors_loaded)
     _log_rate("loaded", uri, nbytes, len(tensors_loaded), started)
-    if strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
+    if StrictHandling.requires_returning_mismatch_keys(strict):
         return common_state, missing, unexpected
     return common_state
 
@@ -344,11 +344,11 @@ def _apply_strictness(
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
     """Validate the requested sharding and handle missing / unexpected keys per ``strict``."""
     local = _local_metadata(sharded, uri)
-    needs_global = validate_access_integrity or strict != StrictHandling.ASSUME_OK_UNEXPECTED
+    needs_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
     global_metadata = dist.all_gather_object(local) if needs_global else [local]
     if validate_access_integrity:
         validate_sharding_integrity(global_metadata, uri)
-    if strict == StrictHandling.ASSUME_OK_UNEXPECTED:
+    if not StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         return sharded, set(), set()
     stored = {sh.key for sh in checkpoint_metadata().values()}
     missing = {sh.key for sh in local} - stored

@@ -235,9 +235,7 @@ class CheckpointStorage:
         """
         path = self.full_path(relpath)
         try:
-            if start == 0 and end is None:
-                return bytes(self.fs.cat_file(path))
-            return bytes(self.fs.cat_file(path, start=start, end=end))
+            return bytes(self.fs.cat_file(path, start=start or None, end=end))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist") from exc
         except Exception as exc:

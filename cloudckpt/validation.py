@@ -59,8 +59,8 @@ class StrictHandling(Enum):
 
     @staticmethod
     def requires_global_app_metadata(val: StrictHandling) -> bool:
-        """Whether the requested keys of every rank are needed."""
-        return val in _NEEDS_UNEXPECTED
+        """Whether the requested keys of every rank are needed (to find unexpected keys)."""
+        return StrictHandling.requires_explicit_ckpt_mismatch_check(val)
 
     @staticmethod
     def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
@@ -68,7 +68,6 @@ class StrictHandling(Enum):
         return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
-_NEEDS_UNEXPECTED = frozenset(StrictHandling) - {StrictHandling.ASSUME_OK_UNEXPECTED}
 DROPS_MISSING = frozenset(
     {StrictHandling.LOG_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL}
 )
