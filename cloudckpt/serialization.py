@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from cloudckpt import dist
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, load_config, save_config
 from cloudckpt.dict_utils import (
     dict_list_map_outplace,
@@ -73,20 +74,36 @@ SaveCommonArg = SaveCommonStrategy | tuple[str, int] | None
 LoadResult = StateDict | tuple[StateDict, set[str], set[str]]
 
 
-def _with_storage(strategy: Any, storage_options: dict[str, Any] | None) -> Any:
-    """A copy of a registered strategy that uses ``storage_options`` (the registry's is shared)."""
-    if (
-        storage_options
-        and getattr(strategy, "fs", None) is None
-        and hasattr(strategy, "storage_options")
-    ):
+def _with_storage(
+    strategy: Any, storage_options: dict[str, Any] | None, config: CheckpointConfig | None = None
+) -> Any:
+    """A copy of a strategy that uses ``storage_options`` and ``config`` (registered
+    strategies are shared, so they are never modified in place)."""
+    if not hasattr(strategy, "storage_options"):
+        return strategy
+    use_options = bool(storage_options) and getattr(strategy, "fs", None) is None
+    use_config = config is not None and getattr(strategy, "config", None) is None
+    if use_options or use_config:
         strategy = copy.copy(strategy)
-        strategy.storage_options = storage_options
+        if use_options:
+            strategy.storage_options = storage_options
+        if use_config:
+            strategy.config = config
     return strategy
 
 
-def _open(uri: str, strategy: Any, storage_options: dict[str, Any] | None) -> CheckpointStorage:
-    return open_checkpoint(uri, getattr(strategy, "fs", None), storage_options)
+def _open(
+    uri: str,
+    strategy: Any,
+    storage_options: dict[str, Any] | None,
+    config: CheckpointConfig | None = None,
+) -> CheckpointStorage:
+    return open_checkpoint(
+        uri,
+        getattr(strategy, "fs", None),
+        storage_options,
+        config=config or getattr(strategy, "config", None),
+    )
 
 
 def _split_state_dict(
@@ -118,6 +135,7 @@ def save(
     validate_access_integrity: bool = True,
     *,
     storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
 ) -> None:
     """Save a sharded state dict to ``checkpoint_dir`` (a URI or local path). Collective.
 
@@ -127,11 +145,15 @@ def save(
             (the plain values of rank 0 become the common state). Factories are
             applied in place, as in Megatron-Core.
         checkpoint_dir: destination; it must hold no objects yet.
-        sharded_strategy: a save strategy or a (backend, version) pair; default zarr v1.
+        sharded_strategy: a save strategy or a (backend, version) pair; default: the
+            config's backend (zarr) at version 1.
         common_strategy: a common-state strategy or pair; default torch v1.
         validate_access_integrity: check, across ranks, that every tensor is covered
             exactly once by main replicas and that shard metadata agrees.
-        storage_options: fsspec options for the URI's filesystem (credentials, endpoint).
+        storage_options: fsspec options for the URI's filesystem (credentials, endpoint);
+            they override the config's and the environment's.
+        config: a training-config section (:func:`cloudckpt.config.from_dict`): storage
+            options, backend, part size, in-flight requests, chunk size.
 
     Raises:
         ShardingValidationError: the sharding is inconsistent (every problem listed).
@@ -140,13 +162,16 @@ def save(
     """
     started = time.perf_counter()
     uri = checkpoint_uri(checkpoint_dir)
+    default_sharded = (config.backend, 1) if config is not None else DEFAULT_SHARDED_BACKEND
     sharded_saver: SaveShardedStrategy = _with_storage(
-        _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, DEFAULT_SHARDED_BACKEND),
+        _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, default_sharded),
         storage_options,
+        config,
     )
     common_saver: SaveCommonStrategy = _with_storage(
         _save_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND),
         storage_options,
+        config,
     )
     storage = _open(uri, sharded_saver, storage_options)
     _require_empty_destination(storage)
@@ -206,11 +231,11 @@ def _commit(storage: CheckpointStorage, sharded: Any, common: Any) -> None:
     """Rank 0 writes ``metadata.json`` after every rank's data; all ranks then return."""
     error = None
     if dist.get_rank() == 0:
-        config = CheckpointingConfig(
+        metadata = CheckpointingConfig(
             sharded.backend, sharded.version, common.backend, common.version
         )
         try:
-            save_config(config, storage)
+            save_config(metadata, storage)
         except Exception as exc:  # noqa: BLE001
             error = exc
     dist.raise_if_any_rank_failed(error, f"writing {CONFIG_FNAME} of {storage.uri!r}")
@@ -221,31 +246,32 @@ def _load_strategies(
     sharded_strategy: LoadShardedStrategy | None,
     common_strategy: LoadCommonStrategy | None,
     storage_options: dict[str, Any] | None,
+    config: CheckpointConfig | None = None,
 ) -> tuple[Any, Any]:
     """The strategies to read this checkpoint with, checked against its metadata.json."""
-    config = load_config(storage)
+    metadata = load_config(storage)
     if sharded_strategy is None:
         sharded_strategy = _registered_loader(
             storage,
             StrategyAction.LOAD_SHARDED,
-            config.sharded_backend,
-            config.sharded_backend_version,
+            metadata.sharded_backend,
+            metadata.sharded_backend_version,
         )
     if common_strategy is None:
         common_strategy = _registered_loader(
             storage,
             StrategyAction.LOAD_COMMON,
-            config.common_backend,
-            config.common_backend_version,
+            metadata.common_backend,
+            metadata.common_backend_version,
         )
     check_compatibility(
-        sharded_strategy, config.sharded_backend, config.sharded_backend_version, storage.uri
+        sharded_strategy, metadata.sharded_backend, metadata.sharded_backend_version, storage.uri
     )
     check_compatibility(
-        common_strategy, config.common_backend, config.common_backend_version, storage.uri
+        common_strategy, metadata.common_backend, metadata.common_backend_version, storage.uri
     )
-    return _with_storage(sharded_strategy, storage_options), _with_storage(
-        common_strategy, storage_options
+    return _with_storage(sharded_strategy, storage_options, config), _with_storage(
+        common_strategy, storage_options, config
     )
 
 
@@ -270,6 +296,7 @@ def load(
     strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
     storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
 ) -> LoadResult:
     """Load a checkpoint into the layout ``sharded_state_dict`` describes. Collective.
 
@@ -283,6 +310,8 @@ def load(
         validate_access_integrity: validate the requested sharding across ranks.
         strict: a StrictHandling mode, or its value as a string.
         storage_options: fsspec options for the URI's filesystem.
+        config: a training-config section (storage options, in-flight requests, part
+            size for ranged reads).
 
     Returns:
         The loaded state dict (common state merged with the loaded shards), or with a
@@ -296,9 +325,9 @@ def load(
     started = time.perf_counter()
     uri = checkpoint_uri(checkpoint_dir)
     strict = parse_strict_flag(strict)
-    storage = _open(uri, sharded_strategy, storage_options)
+    storage = _open(uri, sharded_strategy, storage_options, config)
     sharded_strategy, common_strategy = _load_strategies(
-        storage, sharded_strategy, common_strategy, storage_options
+        storage, sharded_strategy, common_strategy, storage_options, config
     )
     common_state = common_strategy.load_common(uri)
     nonpersistent, requested = extract_matching_values(
@@ -314,7 +343,9 @@ def load(
         uri,
         strict,
         validate_access_integrity,
-        lambda: load_sharded_metadata(uri, sharded_strategy, common_strategy),
+        lambda: load_sharded_metadata(
+            uri, sharded_strategy, common_strategy, storage_options=storage_options, config=config
+        ),
     )
     objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
     loaded = sharded_strategy.load(tensors, uri)
@@ -378,11 +409,16 @@ def _report_mismatch(
 
 
 def load_common_state_dict(
-    checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None
+    checkpoint_dir: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
 ) -> StateDict:
     """Load only the common (non-sharded) state of a checkpoint."""
     uri = checkpoint_uri(checkpoint_dir)
-    _, common = _load_strategies(_open(uri, None, storage_options), None, None, storage_options)
+    _, common = _load_strategies(
+        _open(uri, None, storage_options, config), None, None, storage_options, config
+    )
     return common.load_common(uri)
 
 
@@ -391,12 +427,12 @@ def load_tensors_metadata(
     sharded_strategy: LoadShardedStrategy | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
 ) -> ShardedStateDict:
     """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data)."""
     uri = checkpoint_uri(checkpoint_dir)
-    sharded, _ = _load_strategies(
-        _open(uri, sharded_strategy, storage_options), sharded_strategy, None, storage_options
-    )
+    storage = _open(uri, sharded_strategy, storage_options, config)
+    sharded, _ = _load_strategies(storage, sharded_strategy, None, storage_options, config)
     return sharded.load_tensors_metadata(uri)
 
 
@@ -406,6 +442,7 @@ def load_sharded_metadata(
     common_strategy: LoadCommonStrategy | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
 ) -> ShardedStateDict:
     """Metadata (no data) of every stored ShardedTensor and ShardedObject.
 
@@ -413,10 +450,11 @@ def load_sharded_metadata(
     """
     uri = checkpoint_uri(checkpoint_dir)
     sharded, common = _load_strategies(
-        _open(uri, sharded_strategy, storage_options),
+        _open(uri, sharded_strategy, storage_options, config),
         sharded_strategy,
         common_strategy,
         storage_options,
+        config,
     )
     metadata = dict(sharded.load_sharded_metadata(uri))
     if not sharded.can_handle_sharded_objects:
@@ -425,10 +463,15 @@ def load_sharded_metadata(
 
 
 def load_plain_tensors(
-    checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None
+    checkpoint_dir: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
 ) -> StateDict:
     """Load every stored tensor whole (plus the common state), without a sharding spec."""
-    metadata = load_tensors_metadata(checkpoint_dir, storage_options=storage_options)
+    metadata = load_tensors_metadata(
+        checkpoint_dir, storage_options=storage_options, config=config
+    )
     for sh in metadata.values():
         if isinstance(sh, ShardedTensor):
             sh.data = None
@@ -437,21 +480,31 @@ def load_plain_tensors(
         checkpoint_dir,
         validate_access_integrity=False,  # type: ignore[return-value]
         storage_options=storage_options,
+        config=config,
     )
 
 
 def remove_sharded_tensors(
-    checkpoint_dir: str, key_prefix: str, *, storage_options: dict[str, Any] | None = None
+    checkpoint_dir: str,
+    key_prefix: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
 ) -> None:
     """Delete every stored tensor whose key starts with ``key_prefix``."""
     uri = checkpoint_uri(checkpoint_dir)
-    sharded, _ = _load_strategies(_open(uri, None, storage_options), None, None, storage_options)
+    sharded, _ = _load_strategies(
+        _open(uri, None, storage_options, config), None, None, storage_options, config
+    )
     sharded.remove_sharded_tensors(uri, key_prefix)
 
 
 def check_is_distributed_checkpoint(
-    checkpoint_dir: str, *, storage_options: dict[str, Any] | None = None
+    checkpoint_dir: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
 ) -> bool:
     """True when ``checkpoint_dir`` holds a committed checkpoint (its metadata.json)."""
-    storage = _open(checkpoint_uri(checkpoint_dir), None, storage_options)
+    storage = _open(checkpoint_uri(checkpoint_dir), None, storage_options, config)
     return storage.exists(CONFIG_FNAME)

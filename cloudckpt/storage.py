@@ -7,43 +7,83 @@ path and offers the handful of operations the strategies need, on paths *relativ
 to the checkpoint root:
 
 * :meth:`~CheckpointStorage.write` / :meth:`~CheckpointStorage.write_many` return a
-  :class:`WriteResult` (path, size, crc32c computed from the bytes that went out),
-* :meth:`~CheckpointStorage.read` / :meth:`~CheckpointStorage.read_many` (byte ranges),
+  :class:`WriteResult` (path, size, crc32c of the bytes that went out),
+* :meth:`~CheckpointStorage.read`, :meth:`~CheckpointStorage.read_many` (byte ranges)
+  and :meth:`~CheckpointStorage.read_into_many` (straight into tensor memory),
 * :meth:`~CheckpointStorage.exists`, :meth:`~CheckpointStorage.list`,
   :meth:`~CheckpointStorage.delete`.
 
-Many requests run concurrently in a thread pool bounded by one knob,
-``max_in_flight``. Checkpoint locations stay ``str`` URIs end to end.
+**One knob for concurrency.** Every request (a whole-object PUT, one part of a
+multipart upload, one ranged GET) is one task in a pool of ``max_in_flight`` threads;
+nothing nests, so at most ``max_in_flight`` requests are in flight per call.
+
+**Streaming uploads.** Buffers are never copied by this layer. On S3 an object larger
+than ``part_size`` goes up as a multipart upload whose parts are sent concurrently,
+each straight from a slice of the tensor's memory, with its CRC-32C for the server to
+verify; a failed upload is aborted. GCS objects go up as gcsfs resumable uploads in
+``part_size`` chunks (sequential within one object: GCS's JSON API has no parallel
+parts), so large shards are split into several objects upstream (zarr ``chunk_size``).
+
+**Ranged downloads.** Reads into a buffer larger than ``part_size`` are cut into
+concurrent ranged GETs.
+
+Storage options come from, in increasing precedence, the environment, a
+:class:`~cloudckpt.config.CheckpointConfig` and the explicit ``storage_options``
+argument (see :mod:`cloudckpt.config`); messages and logs never show secrets.
 """
 
 from __future__ import annotations
 
 import builtins
-import io
 import logging
 import os
 import posixpath
-import time
+import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import fsspec
-from crc32c import crc32c as _crc32c
+import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
+from cloudckpt.config import (
+    CheckpointConfig,
+    redact_uri,
+    resolve_storage_options,
+)
 from cloudckpt.errors import CheckpointNotFoundError, InvalidKeyError, StorageError
+from cloudckpt.transfer import (
+    Buffer,
+    BufferReader,
+    Progress,
+    as_bytes_view,
+    crc32c,
+    crc32c_base64,
+    plan_parts,
+)
+
+__all__ = [
+    "CheckpointStorage",
+    "FileSystem",
+    "ReadRequest",
+    "WriteResult",
+    "crc32c",
+    "open_checkpoint",
+    "validate_relpath",
+]
 
 logger = logging.getLogger(__name__)
 
-Buffer = bytes | bytearray | memoryview
 FileSystem = fsspec.AbstractFileSystem
 """The filesystem type strategies accept (``fs=``); other modules never import fsspec."""
 T = TypeVar("T")
 R = TypeVar("R")
 
-DEFAULT_MAX_IN_FLIGHT = 16
+S3_PROTOCOLS = ("s3", "s3a")
+GCS_PROTOCOLS = ("gs", "gcs")
+GCS_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable uploads take chunks in multiples of this
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +108,6 @@ class ReadRequest:
     path: str
     start: int = 0
     end: int | None = None
-
-
-def crc32c(data: Buffer, crc: int = 0) -> int:
-    """CRC-32C of ``data``, continuing from ``crc`` (pass the previous value to extend)."""
-    return int(_crc32c(data, crc))
 
 
 def validate_relpath(key: str, uri: str = "") -> str:
@@ -100,61 +135,67 @@ def validate_relpath(key: str, uri: str = "") -> str:
     return key
 
 
-class _BufferReader(io.RawIOBase):
-    """A seekable, read-only file over a memoryview, without copying it.
+class _Cancelled(Exception):
+    """A queued request skipped because another request of the same call failed."""
 
-    botocore takes bytes or a file-like body, not a memoryview; this lets s3fs send
-    tensor memory as is. Slicing (``reader[a:b]``), which s3fs uses to cut multipart
-    parts, returns another reader over the same memory.
+
+@dataclass
+class _PendingWrite:
+    """One object of a :meth:`CheckpointStorage.write_many` call, while in flight."""
+
+    relpath: str
+    view: memoryview
+    futures: list[Future[Any]]
+    upload_id: str | None = None  # S3 multipart uploads only
+    crc: int | None = None
+    errors: list[BaseException] = field(default_factory=list)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def _uri_protocol(uri: str) -> str:
+    protocol, _ = fsspec.core.split_protocol(uri)
+    return protocol or "file"
+
+
+def _s3_client_defaults(options: dict[str, Any], max_in_flight: int) -> dict[str, Any]:
+    """s3fs options with a connection pool for ``max_in_flight`` requests and botocore's
+    standard retry mode (which rewinds request bodies between attempts); explicit
+    ``config_kwargs`` win."""
+    config_kwargs = dict(options.get("config_kwargs") or {})
+    config_kwargs.setdefault("max_pool_connections", max(10, max_in_flight))
+    config_kwargs.setdefault("retries", {"mode": "standard", "max_attempts": 5})
+    return {**options, "config_kwargs": config_kwargs}
+
+
+async def _s3_send_once(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 API call with a request body, retried only by botocore.
+
+    s3fs's own retry loop (``call_s3``) would send the same body object again without
+    rewinding it; botocore's retries rewind it. s3fs's ``s3_additional_kwargs`` (for
+    example server-side encryption settings) still apply.
     """
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return self._view.nbytes
-
-    def __getitem__(self, index: slice) -> _BufferReader:
-        return _BufferReader(self._view[index])
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        chunk = self._view[self._pos : self._pos + len(memoryview(buffer).cast("B"))]
-        memoryview(buffer).cast("B")[: chunk.nbytes] = chunk
-        self._pos += chunk.nbytes
-        return chunk.nbytes
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
-def _as_bytes_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    await fs.set_session()
+    client = await fs.get_s3(kwargs.get("Bucket"))
+    call = getattr(client, method)
+    return await call(**fs._get_s3_method_kwargs(call, **kwargs))
 
 
 class CheckpointStorage:
     """One checkpoint location: an fsspec filesystem plus a root path.
 
     Args:
-        uri: checkpoint URI or local path. Kept verbatim for messages.
+        uri: checkpoint URI or local path. Messages show it with secrets redacted.
         fs: an fsspec filesystem to use instead of resolving one from the URI (the
             URI's path part is still used as the root).
-        storage_options: options for the filesystem resolved from the URI
-            (ignored when ``fs`` is given).
-        max_in_flight: the most requests this object keeps in flight at once.
+        storage_options: options for the filesystem resolved from the URI (ignored
+            when ``fs`` is given); they override ``config.storage_options`` and the
+            environment.
+        max_in_flight: the most requests one call keeps in flight (default: the
+            config's).
+        config: part size, in-flight requests and storage options of a training config.
     """
 
     def __init__(
@@ -162,22 +203,42 @@ class CheckpointStorage:
         uri: str | os.PathLike[str],
         fs: fsspec.AbstractFileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight: int | None = None,
+        *,
+        config: CheckpointConfig | None = None,
     ) -> None:
-        self.uri = os.fspath(uri)
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.max_in_flight = max_in_flight
+        raw_uri = os.fspath(uri)
+        self.uri = redact_uri(raw_uri)
+        self.config = config or CheckpointConfig()
+        self.max_in_flight = self.config.max_in_flight if max_in_flight is None else max_in_flight
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        self.part_size = self.config.part_size
+        # every request holds one slot: the single knob bounding requests in flight
+        self._slots = threading.BoundedSemaphore(self.max_in_flight)
         if fs is None:
-            options = dict(storage_options or {})
-            fs, root = fsspec.core.url_to_fs(self.uri, **options)
+            fs, root = self._resolve(raw_uri, storage_options)
         else:
-            root = fs._strip_protocol(self.uri)
+            root = fs._strip_protocol(raw_uri)
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") if root not in ("/", "") else root
+        protocols = _protocols(fs)
         self._is_local = isinstance(fs, LocalFileSystem)
-        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-        self._wants_file_body = any(p in ("s3", "s3a") for p in protocols)
+        self._is_s3 = any(p in S3_PROTOCOLS for p in protocols)
+        self._is_gcs = any(p in GCS_PROTOCOLS for p in protocols)
+
+    def _resolve(
+        self, raw_uri: str, storage_options: dict[str, Any] | None
+    ) -> tuple[fsspec.AbstractFileSystem, str]:
+        protocol = _uri_protocol(raw_uri)
+        options = resolve_storage_options(protocol, storage_options, self.config)
+        if protocol in S3_PROTOCOLS:
+            options = _s3_client_defaults(options, self.max_in_flight)
+        try:
+            fs, root = fsspec.core.url_to_fs(raw_uri, **options)
+        except (ImportError, ValueError, TypeError) as exc:
+            raise StorageError(f"cannot open {self.uri}: {exc}") from exc
+        return fs, root
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.uri!r})"
@@ -201,28 +262,214 @@ class CheckpointStorage:
         ``data`` is any buffer (``bytes``, a ``memoryview`` of a tensor's memory); it is
         not copied by this layer. Returns the size and CRC-32C of what was written.
         """
-        path = self.full_path(relpath)
-        view = _as_bytes_view(data)
-        checksum = crc32c(view)
-        try:
-            if self._is_local:
-                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            self.fs.pipe_file(path, _BufferReader(view) if self._wants_file_body else view)
-        except Exception as exc:
-            raise StorageError(f"failed to write {self.child_uri(relpath)}: {exc}") from exc
-        return WriteResult(relpath, view.nbytes, checksum)
+        return self.write_many([(relpath, data)])[0]
 
     def write_many(self, items: Iterable[tuple[str, Buffer]]) -> builtins.list[WriteResult]:
-        """Write several objects concurrently (at most ``max_in_flight`` at once).
+        """Write several objects, at most ``max_in_flight`` requests at once.
 
-        Returns results in the order of ``items``. The first failure is raised after
-        the requests already started have finished.
+        Objects larger than ``part_size`` on S3 go up as multipart uploads with
+        concurrent parts. Returns results in the order of ``items``. On failure,
+        requests not yet started are skipped, unfinished multipart uploads are
+        aborted, and the first error is raised.
+
+        Raises:
+            StorageError: naming the object URI (and part, for multipart uploads).
         """
-        items = list(items)
-        started = time.perf_counter()
-        results: builtins.list[WriteResult] = self.map(lambda item: self.write(*item), items)
-        _log_throughput("wrote", self.uri, sum(r.size for r in results), len(results), started)
-        return results
+        jobs = [(relpath, as_bytes_view(data)) for relpath, data in items]
+        paths = [self.full_path(relpath) for relpath, _ in jobs]
+        progress = Progress("wrote", self.uri, sum(v.nbytes for _, v in jobs), len(jobs))
+        cancel = threading.Event()
+        pending: builtins.list[_PendingWrite] = []
+        with self._pool(sum(self._request_count(view) for _, view in jobs)) as pool:
+            try:
+                for (relpath, view), path in zip(jobs, paths, strict=True):
+                    pending.append(self._submit_write(pool, relpath, path, view, progress, cancel))
+                for item in pending:  # overlaps the uploads; crc32c releases the GIL
+                    if item.upload_id is not None:
+                        item.crc = crc32c(item.view)
+            except BaseException:
+                cancel.set()
+                raise
+            finally:
+                self._settle(pending, cancel)
+        failed = [item for item in pending if item.errors]
+        if failed:
+            raise _first_error(failed)
+        progress.finish()
+        return [WriteResult(p.relpath, p.view.nbytes, p.crc or 0) for p in pending]
+
+    def _uses_multipart(self, view: memoryview) -> bool:
+        return self._is_s3 and view.nbytes > self.part_size
+
+    def _request_count(self, view: memoryview) -> int:
+        return len(plan_parts(view.nbytes, self.part_size)) if self._uses_multipart(view) else 1
+
+    def _pool(self, tasks: int) -> ThreadPoolExecutor:
+        workers = max(1, min(self.max_in_flight, tasks))
+        return ThreadPoolExecutor(workers, thread_name_prefix="cloudckpt-io")
+
+    def _submit_write(
+        self,
+        pool: ThreadPoolExecutor,
+        relpath: str,
+        path: str,
+        view: memoryview,
+        progress: Progress,
+        cancel: threading.Event,
+    ) -> _PendingWrite:
+        if self._uses_multipart(view):
+            return self._start_multipart(pool, relpath, path, view, progress, cancel)
+        item = _PendingWrite(relpath, view, [])
+        item.futures.append(pool.submit(_guarded, cancel, self._put, item, path, progress))
+        return item
+
+    def _put(self, item: _PendingWrite, path: str, progress: Progress) -> None:
+        view = item.view
+        item.crc = crc32c(view)
+        try:
+            if self._is_s3:
+                self._s3_put(path, view, item.crc)
+            else:
+                if self._is_local:
+                    self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                options = {"chunksize": self._gcs_chunk_size()} if self._is_gcs else {}
+                with self._slots:
+                    self.fs.pipe_file(path, view, **options)
+        except Exception as exc:
+            raise StorageError(f"failed to write {self.child_uri(item.relpath)}: {exc}") from exc
+        progress.add(view.nbytes)
+
+    def _gcs_chunk_size(self) -> int:
+        return max(GCS_CHUNK_MULTIPLE, self.part_size - self.part_size % GCS_CHUNK_MULTIPLE)
+
+    def _s3_put(self, path: str, view: memoryview, checksum: int) -> None:
+        bucket, key, _ = self.fs.split_path(path)
+        self._s3_send(
+            "put_object",
+            Bucket=bucket,
+            Key=key,
+            Body=BufferReader(view),
+            ChecksumCRC32C=crc32c_base64(checksum),
+        )
+        self.fs.invalidate_cache(path)
+
+    # -- S3 multipart uploads ------------------------------------------------------
+
+    def _s3_send(self, method: str, **kwargs: Any) -> Any:
+        """An S3 call with a request body (botocore retries only), in a request slot."""
+        with self._slots:
+            return fsspec.asyn.sync(self.fs.loop, _s3_send_once, self.fs, method, **kwargs)
+
+    def _s3_call(self, method: str, **kwargs: Any) -> Any:
+        """An S3 call without a body (s3fs retries too), in a request slot."""
+        with self._slots:
+            return self.fs.call_s3(method, **kwargs)
+
+    def _start_multipart(
+        self,
+        pool: ThreadPoolExecutor,
+        relpath: str,
+        path: str,
+        view: memoryview,
+        progress: Progress,
+        cancel: threading.Event,
+    ) -> _PendingWrite:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            upload = self._s3_call(
+                "create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C"
+            )
+        except Exception as exc:
+            raise StorageError(
+                f"failed to start a multipart upload of {self.child_uri(relpath)}: {exc}"
+            ) from exc
+        item = _PendingWrite(relpath, view, [], upload_id=upload["UploadId"])
+        logger.debug("multipart upload %s of %s started", item.upload_id, self.child_uri(relpath))
+        for number, (start, end) in enumerate(plan_parts(view.nbytes, self.part_size), 1):
+            item.futures.append(
+                pool.submit(
+                    _guarded, cancel, self._upload_part, item, path, number, start, end, progress
+                )
+            )
+        return item
+
+    def _upload_part(
+        self, item: _PendingWrite, path: str, number: int, start: int, end: int, progress: Progress
+    ) -> dict[str, Any]:
+        bucket, key, _ = self.fs.split_path(path)
+        part = item.view[start:end]
+        checksum = crc32c_base64(crc32c(part))
+        try:
+            response = self._s3_send(
+                "upload_part",
+                Bucket=bucket,
+                Key=key,
+                UploadId=item.upload_id,
+                PartNumber=number,
+                Body=BufferReader(part),
+                ChecksumCRC32C=checksum,
+            )
+        except Exception as exc:
+            raise StorageError(
+                f"failed to upload part {number} (bytes {start}-{end}) of "
+                f"{self.child_uri(item.relpath)}: {exc}"
+            ) from exc
+        progress.add(part.nbytes)
+        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
+
+    def _complete_multipart(self, item: _PendingWrite, path: str) -> None:
+        bucket, key, _ = self.fs.split_path(path)
+        parts = [future.result() for future in item.futures]
+        try:
+            self._s3_call(
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=item.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except Exception as exc:
+            raise StorageError(
+                f"failed to complete the multipart upload of {self.child_uri(item.relpath)}: {exc}"
+            ) from exc
+        self.fs.invalidate_cache(path)
+
+    def _abort_multipart(self, item: _PendingWrite, path: str) -> None:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            self._s3_call(
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=item.upload_id
+            )
+            logger.info("aborted multipart upload of %s", self.child_uri(item.relpath))
+        except Exception as exc:  # noqa: BLE001 - keep the original error; say what is left
+            logger.warning(
+                "could not abort multipart upload %s of %s (a bucket lifecycle rule will "
+                "remove it): %s",
+                item.upload_id,
+                self.child_uri(item.relpath),
+                exc,
+            )
+
+    def _settle(self, pending: builtins.list[_PendingWrite], cancel: threading.Event) -> None:
+        """Wait for every request; complete multipart uploads or abort the failed ones."""
+        wait([future for item in pending for future in item.futures])
+        for item in pending:
+            item.errors.extend(
+                exc
+                for future in item.futures
+                if (exc := future.exception()) is not None and not isinstance(exc, _Cancelled)
+            )
+            if item.upload_id is None:
+                continue
+            path = self.full_path(item.relpath)
+            if item.errors or cancel.is_set():
+                self._abort_multipart(item, path)
+                continue
+            try:
+                self._complete_multipart(item, path)
+            except StorageError as exc:
+                item.errors.append(exc)
+                self._abort_multipart(item, path)
 
     # -- reads -------------------------------------------------------------------
 
@@ -234,34 +481,68 @@ class CheckpointStorage:
             StorageError: any other failure.
         """
         path = self.full_path(relpath)
+        if end is not None and end <= start:
+            # an empty range; some filesystems (s3fs) read the whole object for it
+            return b"" if self.exists(relpath) else self._missing(relpath)
         try:
-            return bytes(self.fs.cat_file(path, start=start or None, end=end))
+            with self._slots:
+                return bytes(self.fs.cat_file(path, start=start or None, end=end))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist") from exc
         except Exception as exc:
+            if start and end is None and 0 <= self._size(path) <= start:
+                return b""  # reading from the end: S3 answers 416 where files give b""
             raise StorageError(f"failed to read {self.child_uri(relpath)}: {exc}") from exc
+
+    def _size(self, path: str) -> int:
+        try:
+            return int(self.fs.size(path))
+        except Exception:  # noqa: BLE001 - only a hint for the caller's error path
+            return -1
+
+    def _missing(self, relpath: str) -> bytes:
+        raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist")
 
     def read_into(self, relpath: str, out: memoryview, start: int = 0) -> None:
         """Fill ``out`` with the bytes of ``relpath`` starting at ``start``.
 
         Local files are read straight into ``out`` (no intermediate copy); other
-        filesystems fetch the range and copy it once.
+        filesystems fetch the range and copy it once. Buffers larger than
+        ``part_size`` are fetched as concurrent ranged GETs.
 
         Raises:
             CheckpointNotFoundError: the object does not exist.
             StorageError: the object is shorter than requested, or any other failure.
         """
-        out = _as_bytes_view(out)
+        self.read_into_many([(ReadRequest(relpath, start), out)])
+
+    def read_into_many(self, items: Sequence[tuple[ReadRequest, memoryview]]) -> None:
+        """:meth:`read_into` for many (request, buffer) pairs, concurrently."""
+        ranges = [
+            (request.path, request.start + a, view[a:b])
+            for request, buffer in items
+            for view in (as_bytes_view(buffer),)
+            for a, b in self._read_ranges(view.nbytes)
+        ]
+        progress = Progress("read", self.uri, sum(v.nbytes for _, _, v in ranges), len(items))
+        self.map(lambda r: self._read_range_into(r[0], r[2], r[1], progress), ranges)
+        progress.finish()
+
+    def _read_ranges(self, nbytes: int) -> builtins.list[tuple[int, int]]:
+        if self._is_local or nbytes <= self.part_size:
+            return [(0, nbytes)]
+        return plan_parts(nbytes, self.part_size)
+
+    def _read_range_into(
+        self, relpath: str, out: memoryview, start: int, progress: Progress
+    ) -> None:
         path = self.full_path(relpath)
+        if out.nbytes == 0:  # no GET: servers refuse empty ranges (416)
+            self.read(relpath, start, start)
+            return
         try:
-            if self._is_local:
-                with self.fs.open(path, "rb") as f:
-                    f.seek(start)
-                    got = f.readinto(out)
-            else:
-                data = self.fs.cat_file(path, start=start, end=start + out.nbytes)
-                got = len(data)
-                out[:got] = data
+            with self._slots:
+                got = self._fetch_into(path, out, start)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist") from exc
         except Exception as exc:
@@ -271,21 +552,28 @@ class CheckpointStorage:
                 f"{self.child_uri(relpath)}: read {got} bytes at offset {start}, expected "
                 f"{out.nbytes}; the object is truncated"
             )
+        progress.add(got)
 
-    def read_into_many(self, items: Sequence[tuple[ReadRequest, memoryview]]) -> None:
-        """:meth:`read_into` for many (request, buffer) pairs, concurrently."""
-        started = time.perf_counter()
-        self.map(lambda item: self.read_into(item[0].path, item[1], item[0].start), items)
-        nbytes = sum(memoryview(buf).nbytes for _, buf in items)
-        _log_throughput("read", self.uri, nbytes, len(items), started)
+    def _fetch_into(self, path: str, out: memoryview, start: int) -> int:
+        if self._is_local:
+            with self.fs.open(path, "rb") as f:
+                f.seek(start)
+                return int(f.readinto(out))
+        data = self.fs.cat_file(path, start=start, end=start + out.nbytes)
+        out[: len(data)] = data
+        return len(data)
 
     def read_many(self, requests: Sequence[ReadRequest]) -> builtins.list[bytes]:
         """Read several objects or ranges concurrently; results follow ``requests``."""
-        started = time.perf_counter()
-        results: builtins.list[bytes] = self.map(
-            lambda r: self.read(r.path, r.start, r.end), requests
-        )
-        _log_throughput("read", self.uri, sum(len(b) for b in results), len(results), started)
+        progress = Progress("read", self.uri, 0, len(requests))
+
+        def read(request: ReadRequest) -> bytes:
+            data = self.read(request.path, request.start, request.end)
+            progress.add(len(data))
+            return data
+
+        results: builtins.list[bytes] = self.map(read, requests)
+        progress.finish()
         return results
 
     # -- metadata ----------------------------------------------------------------
@@ -328,36 +616,51 @@ class CheckpointStorage:
     # -- concurrency -------------------------------------------------------------
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> builtins.list[R]:
-        """Apply ``fn`` to ``items`` with at most ``max_in_flight`` running at once."""
+        """Apply ``fn`` to ``items`` with at most ``max_in_flight`` running at once.
+
+        After the first failure, calls not yet started are skipped; the first error
+        is raised once the running ones have finished.
+        """
         if len(items) <= 1 or self.max_in_flight == 1:
             return [fn(item) for item in items]
-        workers = min(self.max_in_flight, len(items))
-        with ThreadPoolExecutor(workers, thread_name_prefix="cloudckpt-io") as pool:
-            futures = [pool.submit(fn, item) for item in items]
-            return [f.result() for f in futures]
+        cancel = threading.Event()
+        with self._pool(len(items)) as pool:
+            futures = [pool.submit(_guarded, cancel, fn, item) for item in items]
+            wait(futures)
+        for future in futures:
+            error = future.exception()
+            if error is not None and not isinstance(error, _Cancelled):
+                raise error
+        return [f.result() for f in futures]
 
 
-def _log_throughput(verb: str, uri: str, nbytes: int, count: int, started: float) -> None:
-    elapsed = max(time.perf_counter() - started, 1e-9)
-    logger.debug(
-        "%s %d objects, %.1f MB in %.3f s (%.1f MB/s) at %s",
-        verb,
-        count,
-        nbytes / 1e6,
-        elapsed,
-        nbytes / 1e6 / elapsed,
-        uri,
-    )
+def _guarded(cancel: threading.Event, fn: Callable[..., R], *args: Any) -> R:
+    """Run ``fn`` unless ``cancel`` is set; set it when ``fn`` fails."""
+    if cancel.is_set():
+        raise _Cancelled
+    try:
+        return fn(*args)
+    except BaseException:
+        cancel.set()
+        raise
+
+
+def _first_error(failed: builtins.list[_PendingWrite]) -> BaseException:
+    for item in failed[1:]:
+        logger.error("also failed: %s", item.errors[0])
+    return failed[0].errors[0]
 
 
 def open_checkpoint(
     uri: str | os.PathLike[str],
     fs: fsspec.AbstractFileSystem | None = None,
     storage_options: dict[str, Any] | None = None,
+    *,
+    config: CheckpointConfig | None = None,
 ) -> CheckpointStorage:
     """Resolve a checkpoint URI (or use ``fs``) into a :class:`CheckpointStorage`."""
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
     if not isinstance(uri, str) or not uri:
         raise CheckpointNotFoundError(f"checkpoint location must be a non-empty URI, got {uri!r}")
-    return CheckpointStorage(uri, fs=fs, storage_options=storage_options)
+    return CheckpointStorage(uri, fs=fs, storage_options=storage_options, config=config)

@@ -26,6 +26,7 @@ from enum import Enum
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Union
 
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import (
     CheckpointingException,
     IncompatibleCheckpointError,
@@ -399,19 +400,30 @@ def check_compatibility(
 class StorageBackedMixin:
     """For strategies doing I/O through :mod:`cloudckpt.storage`.
 
-    Holds an optional filesystem (``fs``) and fsspec ``storage_options``; without a
-    filesystem, each call resolves one from the checkpoint URI.
+    Holds an optional filesystem (``fs``), fsspec ``storage_options`` and a
+    :class:`~cloudckpt.config.CheckpointConfig` (part size, in-flight requests); without
+    a filesystem, each call resolves one from the checkpoint URI (fsspec caches the
+    instance, so repeated calls share one client).
     """
 
     fs: FileSystem | None = None
     storage_options: dict[str, Any] | None = None
+    config: CheckpointConfig | None = None
 
-    def _set_storage(self, fs: FileSystem | None, storage_options: dict[str, Any] | None) -> None:
+    def _set_storage(
+        self,
+        fs: FileSystem | None,
+        storage_options: dict[str, Any] | None,
+        config: CheckpointConfig | None = None,
+    ) -> None:
         self.fs = fs
         self.storage_options = storage_options
+        self.config = config
 
     def _storage(self, checkpoint_dir: CheckpointDir) -> CheckpointStorage:
-        return open_checkpoint(checkpoint_uri(checkpoint_dir), self.fs, self.storage_options)
+        return open_checkpoint(
+            checkpoint_uri(checkpoint_dir), self.fs, self.storage_options, config=self.config
+        )
 
 
 class SingleFormatLoadMixin:
