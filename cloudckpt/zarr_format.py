@@ -7,6 +7,10 @@ compressor, and reads whatever a zarr v2 writer produced: numcodecs compressors 
 filters (Megatron-Core's default is Blosc), ``C`` or ``F`` order, either dimension
 separator. bfloat16 is stored as ``"dtype": "bfloat16"`` (the spelling Megatron-Core
 gets from tensorstore's numpy dtype), two bytes per element.
+
+cloudckpt's chunk is the local shard shape, unless the shard is larger than the
+configured chunk size: then :func:`split_chunk_shape` cuts it into a regular grid of
+smaller chunks, each a contiguous range of the shard's bytes.
 """
 
 from __future__ import annotations
@@ -166,6 +170,79 @@ class ArrayMeta:
             dimension_separator=doc.get("dimension_separator") or ".",
             fill_value=_decode_fill_value(doc.get("fill_value"), where),
         )
+
+
+def split_chunk_shape(
+    local_shape: tuple[int, ...], itemsize: int, max_bytes: int | None
+) -> tuple[int, ...]:
+    """The zarr chunk shape of an array whose shards have ``local_shape``.
+
+    A shard of at most ``max_bytes`` is one chunk (the chunk is ``local_shape``, as
+    Megatron-Core writes it). A larger one is cut into a regular grid of chunks of at
+    most ``max_bytes``: walking the axes from the outermost, an axis whose inner
+    block (``prod(local_shape[i+1:]) * itemsize``) still fits gets the largest divisor
+    ``d`` of its length with ``d * inner <= max_bytes`` and the later axes stay whole;
+    an axis whose inner block is too large gets 1 and the walk goes on. The result,
+    ``(1, ..., 1, d, full, ..., full)``, divides ``local_shape`` on every axis - so
+    each shard is an exact block of whole chunks - and each chunk is one contiguous
+    range of the shard's C-order bytes.
+
+    The chunk grid must be regular and must divide the shard, so ``d`` is a divisor:
+    an axis of prime length (or one without a divisor near the limit) can get
+    ``d = 1`` and many small chunks. That is the price of a regular grid.
+
+    Args:
+        local_shape: shape of one shard (prepended axes included).
+        itemsize: bytes per element.
+        max_bytes: largest chunk in bytes, or None for one chunk per shard.
+
+    Returns:
+        ``local_shape`` unchanged when it fits, is 0-d or holds no elements.
+    """
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+    numel = math.prod(local_shape)
+    if max_bytes is None or not local_shape or numel == 0 or numel * itemsize <= max_bytes:
+        return tuple(local_shape)
+    chunks = list(local_shape)
+    for axis, length in enumerate(local_shape):
+        inner = math.prod(local_shape[axis + 1 :]) * itemsize
+        if inner <= max_bytes:
+            chunks[axis] = _largest_divisor_at_most(length, max_bytes // inner)
+            break
+        chunks[axis] = 1
+    return tuple(chunks)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` (> 0) that is at most ``limit`` (>= 1)."""
+    if n <= limit:
+        return n
+    best = 1
+    for small in range(1, math.isqrt(n) + 1):
+        if n % small:
+            continue
+        for d in (small, n // small):
+            if best < d <= limit:
+                best = d
+    return best
+
+
+def shard_chunk_indices(
+    shard_index: tuple[int, ...], local_shape: tuple[int, ...], chunks: tuple[int, ...]
+) -> list[tuple[int, ...]]:
+    """Grid indices of the chunks making up the shard at ``shard_index`` (shard grid).
+
+    Chunk index = shard index * (local_shape // chunks) + index of the block inside
+    the shard. Listed in C order of the blocks: for chunks from
+    :func:`split_chunk_shape` this is the order of their bytes in the shard, chunk
+    ``j`` being bytes ``[j * chunk_nbytes, (j + 1) * chunk_nbytes)``.
+    """
+    per_shard = tuple(n // c if c else 1 for n, c in zip(local_shape, chunks, strict=True))
+    return [
+        tuple(i * p + b for i, p, b in zip(shard_index, per_shard, block, strict=True))
+        for block in itertools.product(*(range(p) for p in per_shard))
+    ]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

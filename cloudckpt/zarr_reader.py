@@ -239,34 +239,52 @@ def _finish(sh: ShardedTensor, result: torch.Tensor) -> torch.Tensor:
 def _direct_reads(sh: ShardedTensor, meta: ArrayMeta) -> list[_DirectRead] | None:
     """Byte ranges to read straight into the result, or None when copying is needed.
 
-    Possible when chunks are raw C-order bytes and every overlapping chunk contributes
-    whole rows (the request and the stored chunks differ only along axis 0 - the
-    common cases of an unchanged layout, a resharding along axis 0, and flattened
-    optimizer state). Then each chunk's rows are one contiguous range of the result,
-    and of a flattened request only the requested elements are read.
+    Possible when chunks are raw C-order bytes and every overlap of a chunk with the
+    request is one contiguous range both of the chunk and of the result - as when
+    request and chunks differ only along axis 0 (an unchanged layout, a resharding
+    along axis 0, flattened optimizer state) or when a shard was split into chunks
+    (see :func:`cloudckpt.zarr_format.split_chunk_shape`) and is read back whole.
+    Then each overlap is one read, and of a flattened request only the requested
+    elements are read.
     """
     box = chunk_shape(sh)
-    if not (meta.is_raw and meta.order == "C") or box[1:] != meta.chunks[1:]:
+    if not (meta.is_raw and meta.order == "C"):
         return None
-    row = math.prod(box[1:])
     rng = sh.flattened_range
     want_lo, want_hi = (rng.start, rng.stop) if rng is not None else (0, math.prod(box))
     reads, covered = [], 0
     for overlap in overlapping_chunks(meta, tuple(sh.global_offset), box):
-        full = (slice(0, n) for n in meta.chunks[1:])
-        if any(s != f for s, f in zip(overlap.in_chunk[1:], full, strict=True)):
+        in_box = _contiguous_span(overlap.in_box, box)
+        in_chunk = _contiguous_span(overlap.in_chunk, meta.chunks)
+        if in_box is None or in_chunk is None:
             return None
-        b0, b1, c0 = (
-            (overlap.in_box[0].start, overlap.in_box[0].stop, overlap.in_chunk[0].start)
-            if box
-            else (0, 1, 0)
-        )
-        lo, hi = b0 * row, b1 * row
+        lo, hi = in_box
         covered += hi - lo
         a, b = max(lo, want_lo), min(hi, want_hi)
         if a < b:
-            first = (c0 * row + a - lo) * meta.itemsize
+            first = (in_chunk[0] + a - lo) * meta.itemsize
             path = f"{sh.key}/{meta.chunk_key(overlap.index)}"
             request = ReadRequest(path, first, first + (b - a) * meta.itemsize)
             reads.append(_DirectRead(request, a - want_lo, b - a))
     return reads if covered == math.prod(box) else None  # a shortfall needs zero padding
+
+
+def _contiguous_span(
+    selection: tuple[slice, ...], shape: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """``[first, stop)`` flat C-order elements of ``shape`` that ``selection`` selects.
+
+    None unless the selection is contiguous: whole along the innermost axes, any range
+    along one axis, and a single index along every outer one.
+    """
+    extents = [s.stop - s.start for s in selection]
+    axis = len(shape)
+    while axis and extents[axis - 1] == shape[axis - 1]:
+        axis -= 1
+    if any(e != 1 for e in extents[: max(axis - 1, 0)]):
+        return None
+    first, stride = 0, 1
+    for s, n in zip(reversed(selection), reversed(shape), strict=True):
+        first += s.start * stride
+        stride *= n
+    return first, first + math.prod(extents)

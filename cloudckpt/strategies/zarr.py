@@ -1,12 +1,17 @@
 """Zarr backend ("zarr", version 1): one zarr v2 array per ShardedTensor key.
 
 Byte-compatible with Megatron-Core 0.15's zarr backend: ``<key>/.zarray`` plus one
-object per chunk, the chunk being the local shard shape. Each main-replica chunk is
-written exactly once, by the rank that holds it; chunks of flattened tensors
-(distributed-optimizer state split into flat ranges over data-parallel ranks) are
-first assembled on one rank (see :mod:`cloudckpt.planning`). Chunk bytes go through
-:mod:`cloudckpt.storage`, so any fsspec URI works. Loading reshards: each requested
-shard reads the chunks (and, for raw chunks, only the rows) it overlaps.
+object per chunk, the chunk being the local shard shape. A shard larger than the
+strategy's ``chunk_size`` is split into several chunks (a regular grid of smaller
+chunks, see :func:`cloudckpt.zarr_format.split_chunk_shape`), so that no object is
+unbounded; every chunk is a contiguous slice of the shard's bytes, written without a
+copy. All ranks derive the same chunk shape from the shared local shape and dtype,
+so no communication is needed. Each main-replica shard is written exactly once, by
+the rank that holds it; shards of flattened tensors (distributed-optimizer state
+split into flat ranges over data-parallel ranks) are first assembled on one rank
+(see :mod:`cloudckpt.planning`). Chunk bytes go through :mod:`cloudckpt.storage`, so
+any fsspec URI works. Loading reshards: each requested shard reads the chunks (and,
+for raw chunks, only the byte ranges) it overlaps.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 
 from cloudckpt import dist
+from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
 from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
 from cloudckpt.errors import (
     CheckpointingException,
@@ -36,7 +42,14 @@ from cloudckpt.strategies.base import (
     register_default_strategy,
 )
 from cloudckpt.validation import chunk_index, chunk_shape
-from cloudckpt.zarr_format import ZARRAY, ArrayMeta, encode_dtype, tensor_bytes
+from cloudckpt.zarr_format import (
+    ZARRAY,
+    ArrayMeta,
+    encode_dtype,
+    shard_chunk_indices,
+    split_chunk_shape,
+    tensor_bytes,
+)
 from cloudckpt.zarr_reader import TensorReader
 
 logger = logging.getLogger(__name__)
@@ -60,13 +73,35 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def _array_meta(sh: ShardedTensor) -> ArrayMeta:
+def _array_meta(sh: ShardedTensor, chunk_size: int | None) -> ArrayMeta:
+    """The ``.zarray`` of ``sh``'s array: the same on every rank (shards share shape, dtype)."""
     encode_dtype(sh.dtype, sh.key)  # fail early, naming the key, on an unsupported dtype
-    return ArrayMeta(shape=tuple(sh.global_shape), chunks=chunk_shape(sh), dtype=sh.dtype)
+    itemsize = torch.empty((), dtype=sh.dtype).element_size()
+    chunks = split_chunk_shape(chunk_shape(sh), itemsize, chunk_size)
+    return ArrayMeta(shape=tuple(sh.global_shape), chunks=chunks, dtype=sh.dtype)
 
 
-def _chunk_path(sh: ShardedTensor, meta: ArrayMeta, index: tuple[int, ...]) -> str:
-    return f"{sh.key}/{meta.chunk_key(index)}"
+def _shard_writes(
+    sh: ShardedTensor, meta: ArrayMeta, index: tuple[int, ...], data: memoryview
+) -> list[Write]:
+    """The objects of one whole shard: its chunks, and ``.zarray`` for shard (0, ..., 0).
+
+    ``data`` is the shard's C-order bytes; each chunk is a contiguous slice of it
+    (no copy), in the order :func:`shard_chunk_indices` lists the chunks.
+    """
+    indices = shard_chunk_indices(index, chunk_shape(sh), meta.chunks)
+    size = meta.chunk_nbytes
+    if size * len(indices) != len(data):
+        raise CheckpointingException(
+            f"tensor {sh.key!r}: shard has {len(data)} bytes, expected {len(indices)} "
+            f"chunk(s) of {size} bytes (chunk shape {meta.chunks})"
+        )
+    writes = _zarray_write(sh, meta, index)
+    if len(indices) == 1:  # the common case: the shard is one chunk, as Megatron-Core writes
+        return [*writes, (f"{sh.key}/{meta.chunk_key(indices[0])}", data)]
+    for j, chunk in enumerate(indices):
+        writes.append((f"{sh.key}/{meta.chunk_key(chunk)}", data[j * size : (j + 1) * size]))
+    return writes
 
 
 class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
@@ -77,6 +112,10 @@ class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
         version: format version (1).
         fs: an fsspec filesystem to use instead of resolving one from the URI.
         storage_options: options for the filesystem resolved from the URI.
+        chunk_size: largest chunk (object) in bytes; a larger shard is split into
+            several chunks. None writes every shard as one chunk, however large.
+        config: a :class:`~cloudckpt.config.CheckpointConfig`; when set (here or by
+            ``save(..., config=...)``), its ``chunk_size`` wins over ``chunk_size``.
     """
 
     def __init__(
@@ -85,9 +124,18 @@ class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
         version: int = VERSION,
         fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
+        *,
+        chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+        config: CheckpointConfig | None = None,
     ) -> None:
         super().__init__(backend, version)
-        self._set_storage(fs, storage_options)
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of bytes or None: {chunk_size}")
+        self.chunk_size = chunk_size
+        self._set_storage(fs, storage_options, config)
+
+    def _chunk_size(self) -> int | None:
+        return self.config.chunk_size if self.config is not None else self.chunk_size
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> list[WriteResult]:
         """Write this rank's main-replica chunks; collective when tensors are flattened.
@@ -111,9 +159,8 @@ class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
                 continue
             if sh.data is None:
                 raise CheckpointingException(f"tensor {sh.key!r} has no data to save")
-            meta, index = _array_meta(sh), _require_index(sh)
-            writes.extend(_zarray_write(sh, meta, index))
-            writes.append((_chunk_path(sh, meta, index), tensor_bytes(_to_host(sh.data))))
+            meta, index = _array_meta(sh, self._chunk_size()), _require_index(sh)
+            writes += _shard_writes(sh, meta, index, tensor_bytes(_to_host(sh.data)))
         return writes
 
     def _flat_writes(self, tensors: list[ShardedTensor]) -> list[Write]:
@@ -135,9 +182,8 @@ class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
         writes: list[Write] = []
         for plan, buffer in buffers:
             sample = next(iter(mine[(plan.key, plan.index)].values()))
-            meta = _array_meta(sample)
-            writes.extend(_zarray_write(sample, meta, plan.index))
-            writes.append((_chunk_path(sample, meta, plan.index), tensor_bytes(buffer)))
+            meta = _array_meta(sample, self._chunk_size())
+            writes += _shard_writes(sample, meta, plan.index, tensor_bytes(buffer))
         return writes
 
 
@@ -152,7 +198,7 @@ def _require_index(sh: ShardedTensor) -> tuple[int, ...]:
 
 
 def _zarray_write(sh: ShardedTensor, meta: ArrayMeta, index: tuple[int, ...]) -> list[Write]:
-    """The ``.zarray`` object, written by whoever writes chunk (0, ..., 0)."""
+    """The ``.zarray`` object, written by whoever writes shard (0, ..., 0)."""
     return [(f"{sh.key}/{ZARRAY}", meta.to_json())] if not any(index) else []
 
 
