@@ -44,9 +44,16 @@ def _add_demo(subparsers: Subparsers) -> None:
     add = parser.add_argument
     add(
         "--uri",
-        help=f"checkpoint URI or local path (default: a new run directory, "
-        f"{DEFAULT_DEMO_DIR}/run-<UTC time>/iter_<steps, 7 digits>); s3://, gs://, file:// "
-        "and other fsspec URIs work too",
+        help=f"checkpoint URI or local path (default: the config's uri, else a new run "
+        f"directory, {DEFAULT_DEMO_DIR}/run-<UTC time>/iter_<steps, 7 digits>); s3://, gs://, "
+        "file:// and other fsspec URIs work too. Credentials and endpoints come from --config "
+        "or the environment (AWS_ENDPOINT_URL_S3, AWS_PROFILE, STORAGE_EMULATOR_HOST, ...)",
+    )
+    add(
+        "--config",
+        metavar="YAML",
+        help="a training config whose 'cloudckpt' section (or the whole file) sets uri, "
+        "storage_options, part_size, max_in_flight and chunk_size",
     )
     add("--world-size", type=int, default=4, help="number of CPU ranks (1-8, default 4)")
     add(
@@ -70,6 +77,7 @@ def _add_demo(subparsers: Subparsers) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     # Imported here so that `cloudckpt --help` and the other subcommands do not pay for
     # torch and the demo model.
+    from cloudckpt.config import from_yaml  # noqa: PLC0415
     from cloudckpt.demo.run import (  # noqa: PLC0415
         DemoOptions,
         default_tp_sizes,
@@ -80,7 +88,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     tp, default_load_tp = default_tp_sizes(args.world_size, args.tp)
     load_tp = args.load_tp if args.load_tp is not None else default_load_tp
-    uri: str = args.uri if args.uri is not None else _default_uri(args.steps)
+    try:
+        checkpoint = from_yaml(args.config) if args.config else None
+    except OSError as exc:
+        print(f"cloudckpt demo: error: cannot read --config: {exc}", file=sys.stderr)
+        return 2
+    uri: str = args.uri or (checkpoint and checkpoint.uri) or _default_uri(args.steps)
     options = DemoOptions(
         uri=uri,
         world_size=args.world_size,
@@ -88,13 +101,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         load_tp=load_tp,
         steps=args.steps,
         seed=args.seed,
+        checkpoint=checkpoint,
     )
     try:
         validate_options(options)
     except ValueError as exc:
         print(f"cloudckpt demo: error: {exc}", file=sys.stderr)
         return 2
-    prepare_destination(uri, args.overwrite)
+    prepare_destination(uri, args.overwrite, checkpoint)
     result = run_demo(options)
     print("\n".join(result.summary_lines(uri)))
     return 0

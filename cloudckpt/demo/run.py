@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.demo.model import (
     GPTConfig,
     Layout,
@@ -73,6 +74,8 @@ class DemoOptions:
         seq_len: tokens per sequence.
         lr: Adam learning rate.
         config: model sizes.
+        checkpoint: storage options, part size, in-flight requests and chunk size
+            (from ``--config``); None uses the defaults and the environment.
     """
 
     uri: str
@@ -85,6 +88,7 @@ class DemoOptions:
     seq_len: int = 32
     lr: float = 1e-3
     config: GPTConfig = field(default_factory=GPTConfig)
+    checkpoint: CheckpointConfig | None = None
 
     def layouts(self, rank: int) -> tuple[Layout, Layout]:
         """The (save, load) layouts of ``rank``."""
@@ -176,13 +180,15 @@ def default_tp_sizes(world_size: int, tp: int | None = None) -> tuple[int, int]:
     return save_tp, (2 if save_tp == 1 and even else 1)
 
 
-def prepare_destination(uri: str, overwrite: bool) -> None:
+def prepare_destination(
+    uri: str, overwrite: bool, checkpoint: CheckpointConfig | None = None
+) -> None:
     """Make sure ``uri`` holds no objects: refuse, or delete them with ``overwrite``.
 
     Raises:
         DestinationNotEmptyError: objects exist and ``overwrite`` is False.
     """
-    store = open_checkpoint(uri)
+    store = open_checkpoint(uri, config=checkpoint)
     existing = store.list()
     if not existing:
         return
@@ -230,11 +236,12 @@ def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult |
     losses = [trainer.step() for _ in range(options.steps)]
     ref_params, ref_states = trainer.reference()
     rng_obj = {"rank": rank, "torch_rng": torch.get_rng_state(), "samples": options.steps}
-    save_s = _timed(lambda: save(_save_state_dict(trainer, options, rng_obj), options.uri))
-    stored = len(open_checkpoint(options.uri).list()) if rank == 0 else 0
+    state = _save_state_dict(trainer, options, rng_obj)
+    save_s = _timed(lambda: save(state, options.uri, config=options.checkpoint))
+    stored = len(open_checkpoint(options.uri, config=options.checkpoint).list()) if rank == 0 else 0
     request = _load_state_dict(trainer.specs, load_layout, options)
     loaded: dict[str, Any] = {}
-    load_s = _timed(lambda: loaded.update(_load(request, options.uri)))
+    load_s = _timed(lambda: loaded.update(_load(request, options)))
     expected = _expected_tensors(trainer.specs, load_layout, ref_params, ref_states)
     mismatches = _check_tensors(rank, loaded, expected) + _check_common(options, loaded, rng_obj)
     all_mismatches = [m for ms in _all_gather_objects(mismatches) for m in ms]
@@ -256,8 +263,8 @@ def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult |
     )
 
 
-def _load(request: ShardedStateDict, uri: str) -> dict[str, Any]:
-    result = load(request, uri)
+def _load(request: ShardedStateDict, options: DemoOptions) -> dict[str, Any]:
+    result = load(request, options.uri, config=options.checkpoint)
     return result[0] if isinstance(result, tuple) else result
 
 
