@@ -87,6 +87,16 @@ class BufferReader(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
+    def read(self, size: int = -1) -> bytes:
+        """The next ``size`` bytes (all the rest for -1), copied once into ``bytes``."""
+        end = self._view.nbytes if size is None or size < 0 else self._pos + size
+        chunk = self._view[self._pos : end]
+        self._pos += chunk.nbytes
+        return chunk.tobytes()
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
     def readinto(self, buffer: Any) -> int:
         target = memoryview(buffer).cast("B")
         chunk = self._view[self._pos : self._pos + target.nbytes]
