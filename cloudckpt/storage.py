@@ -35,6 +35,7 @@ argument (see :mod:`cloudckpt.config`); messages and logs never show secrets.
 from __future__ import annotations
 
 import builtins
+import copy
 import logging
 import os
 import posixpath
@@ -164,10 +165,14 @@ def _s3_client_defaults(options: dict[str, Any], max_in_flight: int) -> dict[str
     """s3fs options with a connection pool for ``max_in_flight`` requests and botocore's
     standard retry mode (which rewinds request bodies between attempts); explicit
     ``config_kwargs`` win."""
-    config_kwargs = dict(options.get("config_kwargs") or {})
+    # copies all the way down: botocore rewrites the ``retries`` dict it is given
+    config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
     config_kwargs.setdefault("max_pool_connections", max(10, max_in_flight))
-    config_kwargs.setdefault("retries", {"mode": "standard", "max_attempts": 5})
-    return {**options, "config_kwargs": config_kwargs}
+    retries = config_kwargs.setdefault("retries", {})
+    retries.setdefault("mode", "standard")
+    retries.setdefault("max_attempts", 5)
+    client_kwargs = copy.deepcopy(dict(options.get("client_kwargs") or {}))
+    return {**options, "config_kwargs": config_kwargs, "client_kwargs": client_kwargs}
 
 
 async def _s3_send_once(fs: Any, method: str, **kwargs: Any) -> Any:
@@ -579,10 +584,10 @@ class CheckpointStorage:
     # -- metadata ----------------------------------------------------------------
 
     def exists(self, relpath: str) -> bool:
-        """True when the object ``relpath`` exists."""
+        """True when the object ``relpath`` exists (a prefix or directory is not one)."""
         path = self.full_path(relpath)
         try:
-            return bool(self.fs.exists(path))
+            return bool(self.fs.isfile(path))
         except Exception as exc:
             raise StorageError(f"failed to stat {self.child_uri(relpath)}: {exc}") from exc
 

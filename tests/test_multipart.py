@@ -197,3 +197,19 @@ def test_large_read_is_cut_into_concurrent_ranged_gets(
     assert len(ranges) == 4, ranges
     assert calls.received == data.numel()
     assert calls.peak >= 2
+
+
+def test_s3_client_settings_do_not_modify_the_callers_options(
+    s3_location: tuple[str, dict[str, Any]],
+) -> None:
+    """botocore rewrites the ``retries`` dict it gets; the caller's must stay as given."""
+    uri, options = s3_location
+    retries = {"max_attempts": 2}
+    config = CheckpointConfig(storage_options={"config_kwargs": {"retries": retries}})
+    storage = CheckpointStorage(uri, storage_options=options, config=config)
+    storage.fs.connect()
+    assert retries == {"max_attempts": 2}
+    assert config.storage_options["config_kwargs"]["retries"] == {"max_attempts": 2}
+    client_config = storage.fs.s3.meta.config
+    assert client_config.retries["mode"] == "standard"
+    assert client_config.max_pool_connections >= storage.max_in_flight
