@@ -1,11 +1,15 @@
-"""Single-process save/load (no process group: a world of one) and its error cases."""
+"""Single-process save/load (no process group: a world of one) and its error cases.
+
+Save/load tests run over ``location``, i.e. ``checkpoint_uri`` of
+``tests/fixtures_object_stores.py``: a local directory, memory://, the S3 API (moto) and
+the GCS emulator, with their storage options.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from cloudckpt.errors import (
     UncommittedCheckpointError,
     UnexpectedKeysError,
 )
+from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies.zarr import (
     ZarrLoadShardedStrategy,
     flatten_range,
@@ -40,11 +45,31 @@ DTYPES = [
 ]
 
 
-@pytest.fixture(params=["local", "memory"])
-def uri(request, tmp_path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "ckpt")
-    return f"memory://cloudckpt-tests/{uuid.uuid4().hex}/ckpt"
+StoreLocation = tuple[str, dict[str, Any]]
+
+
+@pytest.fixture
+def location(checkpoint_uri: StoreLocation) -> StoreLocation:
+    """``checkpoint_uri`` with fsspec's instance cache left on.
+
+    The fixture's options ask for a new filesystem instance per CheckpointStorage
+    (``skip_instance_cache``). A save opens four storages and a load three, and on S3
+    every new instance builds its own client (0.1-0.4 s), which made this module take
+    ~100 s instead of ~15 s. Here save/load share one instance per endpoint, as in a
+    user's process; what they stored is checked through a new instance (``_storage``).
+    """
+    uri, options = checkpoint_uri
+    return uri, {k: v for k, v in options.items() if k != "skip_instance_cache"}
+
+
+def _storage(location: StoreLocation) -> CheckpointStorage:
+    """A storage on a new filesystem instance: sees the objects, not a cached listing."""
+    uri, options = location
+    return CheckpointStorage(uri, storage_options={**options, "skip_instance_cache": True})
+
+
+def _one(key: str = "w") -> dict:
+    return {key: ShardedTensor.from_rank_offsets(key, torch.ones(2))}
 
 
 def _values(dtype: torch.dtype, shape=(4, 6)) -> torch.Tensor:
@@ -58,150 +83,194 @@ def _values(dtype: torch.dtype, shape=(4, 6)) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_dtype_round_trips_bit_exactly(uri, dtype):
+def test_every_dtype_round_trips_bit_exactly(location, dtype):
+    uri, options = location
     full = _values(dtype)
-    cloudckpt.save({"t": ShardedTensor.from_rank_offsets("t", full)}, uri)
+    cloudckpt.save({"t": ShardedTensor.from_rank_offsets("t", full)}, uri, storage_options=options)
     halves = [
         ShardedTensor.from_rank_offsets("t", torch.empty(4, 3, dtype=dtype), (1, i, 2))
         for i in (0, 1)
     ]
-    loaded = cloudckpt.load({"a": halves[0], "b": halves[1]}, uri, validate_access_integrity=False)
+    loaded = cloudckpt.load(
+        {"a": halves[0], "b": halves[1]},
+        uri,
+        validate_access_integrity=False,
+        storage_options=options,
+    )
     assert loaded["a"].dtype == dtype
     assert torch.equal(
         torch.cat([loaded["a"], loaded["b"]], dim=1).view(torch.uint8), full.view(torch.uint8)
     )
 
 
-def test_all_zero_shards_are_stored(tmp_path):
-    uri = str(tmp_path / "ckpt")
+def test_all_zero_shards_are_stored(location):
+    uri, options = location
     state = {f"z{i}": ShardedTensor.from_rank_offsets(f"z{i}", torch.zeros(3, 2)) for i in range(2)}
-    cloudckpt.save(state, uri)
+    cloudckpt.save(state, uri, storage_options=options)
+    storage = _storage(location)
     for key in state:
-        assert os.path.getsize(os.path.join(uri, key, "0.0")) == 3 * 2 * 4
+        assert storage.read(f"{key}/0.0") == bytes(3 * 2 * 4)
     loaded = cloudckpt.load(
-        {k: ShardedTensor.from_rank_offsets(k, torch.ones(3, 2)) for k in state}, uri
+        {k: ShardedTensor.from_rank_offsets(k, torch.ones(3, 2)) for k in state},
+        uri,
+        storage_options=options,
     )
     assert all(torch.equal(loaded[k], torch.zeros(3, 2)) for k in state)
 
 
-def test_common_state_and_metadata_json(uri):
+def test_common_state_and_metadata_json(location):
+    uri, options = location
+    assert not cloudckpt.check_is_distributed_checkpoint(uri, storage_options=options)
     cloudckpt.save(
         {
             "w": ShardedTensor.from_rank_offsets("w", torch.ones(2)),
+            "o": ShardedObject("obj", {"step": 3}, (1,), (0,)),
             "args": {"lr": 0.1},
             "iteration": 10,
         },
         uri,
+        storage_options=options,
     )
-    assert cloudckpt.check_is_distributed_checkpoint(uri)
-    assert cloudckpt.load_common_state_dict(uri) == {"args": {"lr": 0.1}, "iteration": 10}
-    meta = cloudckpt.load_tensors_metadata(uri)
+    assert cloudckpt.check_is_distributed_checkpoint(uri, storage_options=options)
+    common = cloudckpt.load_common_state_dict(uri, storage_options=options)
+    assert common == {"args": {"lr": 0.1}, "iteration": 10}
+    meta = cloudckpt.load_tensors_metadata(uri, storage_options=options)
     assert (
         list(meta) == ["w"] and meta["w"].global_shape == (2,) and meta["w"].dtype == torch.float32
     )
+    sharded = cloudckpt.load_sharded_metadata(uri, storage_options=options)
+    assert sorted(sharded) == ["obj/shard_0_1", "w"]
+    assert isinstance(sharded["obj/shard_0_1"], ShardedObject)
 
 
-def test_metadata_json_has_exactly_megatron_keys(tmp_path):
-    uri = str(tmp_path / "ckpt")
-    cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, uri)
-    with open(os.path.join(uri, "metadata.json")) as f:
-        assert json.load(f) == {
-            "sharded_backend": "zarr",
-            "sharded_backend_version": 1,
-            "common_backend": "torch",
-            "common_backend_version": 1,
-        }
+def test_metadata_json_has_exactly_megatron_keys(location):
+    uri, options = location
+    cloudckpt.save(_one(), uri, storage_options=options)
+    assert json.loads(_storage(location).read("metadata.json")) == {
+        "sharded_backend": "zarr",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
 
 
-def test_refuses_non_empty_destination(uri):
-    cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, uri)
+def test_refuses_non_empty_destination(location):
+    uri, options = location
+    cloudckpt.save(_one(), uri, storage_options=options)
     with pytest.raises(cloudckpt.CheckpointingException, match="not empty"):
-        cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, uri)
+        cloudckpt.save(_one(), uri, storage_options=options)
 
 
-def test_load_of_nothing_and_of_uncommitted(tmp_path):
-    missing = str(tmp_path / "nope")
+def test_load_of_nothing_and_of_uncommitted(location):
+    uri, options = location
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint"):
-        cloudckpt.load({}, missing)
+        cloudckpt.load({}, uri, storage_options=options)
     with pytest.raises(FileNotFoundError):  # the built-in it mixes in
-        cloudckpt.load({}, missing)
-    uri = str(tmp_path / "ckpt")
-    cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, uri)
-    os.remove(os.path.join(uri, "metadata.json"))
-    assert not cloudckpt.check_is_distributed_checkpoint(uri)
+        cloudckpt.load({}, uri, storage_options=options)
+    cloudckpt.save(_one(), uri, storage_options=options)
+    _storage(location).delete("metadata.json")
+    assert not cloudckpt.check_is_distributed_checkpoint(uri, storage_options=options)
     with pytest.raises(UncommittedCheckpointError, match=r"metadata\.json is missing"):
-        cloudckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, uri)
+        cloudckpt.load(_one(), uri, storage_options=options)
 
 
-def test_incompatible_backend_version_is_refused(tmp_path):
-    uri = str(tmp_path / "ckpt")
-    cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, uri)
-    path = os.path.join(uri, "metadata.json")
-    with open(path) as f:
-        doc = json.load(f)
+def test_incompatible_backend_version_is_refused(location):
+    uri, options = location
+    cloudckpt.save(_one(), uri, storage_options=options)
+    storage = _storage(location)
+    doc = json.loads(storage.read("metadata.json"))
     doc["common_backend_version"] = 2
-    with open(path, "w") as f:
-        json.dump(doc, f)
+    storage.write("metadata.json", json.dumps(doc).encode())
     with pytest.raises(cloudckpt.CheckpointingException, match="version"):
-        cloudckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, uri)
+        cloudckpt.load(_one(), uri, storage_options=options)
+    with pytest.raises(IncompatibleCheckpointError, match="version"):
+        cloudckpt.load_common_state_dict(uri, storage_options=options)
     with pytest.raises(IncompatibleCheckpointError, match="'zarr'"):
         ZarrLoadShardedStrategy().check_backend_compatibility("torch_dist")
 
 
 @pytest.mark.parametrize("key", ["../escape", "/abs", "a//b", ""])
-def test_invalid_keys_are_rejected_with_the_key(tmp_path, key):
+def test_invalid_keys_are_rejected_with_the_key(location, key):
+    uri, options = location
     with pytest.raises(InvalidKeyError, match="invalid key"):
         cloudckpt.save(
-            {"x": ShardedTensor.from_rank_offsets(key, torch.ones(2))}, str(tmp_path / "c")
+            {"x": ShardedTensor.from_rank_offsets(key, torch.ones(2))},
+            uri,
+            storage_options=options,
         )
-    assert not os.path.exists(tmp_path / "c" / "metadata.json")
+    assert _storage(location).is_empty()  # rejected before anything was written
 
 
 def test_pathlib_local_path_is_accepted_and_mangled_uri_rejected(tmp_path):
+    # Local only: pathlib paths are local paths.
     cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "ckpt")
     assert cloudckpt.check_is_distributed_checkpoint(tmp_path / "ckpt")
     with pytest.raises(cloudckpt.CheckpointingException, match="pathlib"):
         cloudckpt.load({}, pathlib.PurePosixPath("s3://bucket/key"))
 
 
-def test_dtype_and_shape_mismatch_are_reported(uri):
+def test_dtype_and_shape_mismatch_are_reported(location):
+    uri, options = location
     cloudckpt.save(
-        {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3))}, uri
+        {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3))},
+        uri,
+        storage_options=options,
     )
     with pytest.raises(cloudckpt.CheckpointingException, match=r"stored dtype torch\.float32"):
         cloudckpt.load(
-            {"w": ShardedTensor.from_rank_offsets("w", torch.empty(2, 3, dtype=torch.int32))}, uri
+            {"w": ShardedTensor.from_rank_offsets("w", torch.empty(2, 3, dtype=torch.int32))},
+            uri,
+            storage_options=options,
         )
     with pytest.raises(cloudckpt.CheckpointingException, match="allow_shape_mismatch"):
-        cloudckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))}, uri)
+        cloudckpt.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))},
+            uri,
+            storage_options=options,
+        )
 
 
-def test_allow_shape_mismatch_pads_and_cuts(uri):
+def test_allow_shape_mismatch_pads_and_cuts(location):
+    uri, options = location
     stored = torch.arange(6.0).reshape(2, 3)
-    cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", stored)}, uri)
+    cloudckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", stored)}, uri, storage_options=options
+    )
     bigger = ShardedTensor.from_rank_offsets("w", torch.empty(3, 4), allow_shape_mismatch=True)
     smaller = ShardedTensor.from_rank_offsets("w", torch.empty(1, 2), allow_shape_mismatch=True)
-    out = cloudckpt.load({"big": bigger, "small": smaller}, uri, validate_access_integrity=False)
+    out = cloudckpt.load(
+        {"big": bigger, "small": smaller},
+        uri,
+        validate_access_integrity=False,
+        storage_options=options,
+    )
     expected = torch.zeros(3, 4)
     expected[:2, :3] = stored
     assert torch.equal(out["big"], expected)
     assert torch.equal(out["small"], stored[:1, :2])
 
 
-def test_remove_sharded_tensors(uri):
+def test_remove_sharded_tensors(location):
+    uri, options = location
     cloudckpt.save(
-        {k: ShardedTensor.from_rank_offsets(k, torch.ones(2)) for k in ("opt.a", "opt.b", "w")}, uri
+        {k: ShardedTensor.from_rank_offsets(k, torch.ones(2)) for k in ("opt.a", "opt.b", "w")},
+        uri,
+        storage_options=options,
     )
-    cloudckpt.remove_sharded_tensors(uri, "opt.")
-    assert list(cloudckpt.load_tensors_metadata(uri)) == ["w"]
+    cloudckpt.remove_sharded_tensors(uri, "opt.", storage_options=options)
+    assert list(cloudckpt.load_tensors_metadata(uri, storage_options=options)) == ["w"]
+    assert not any(p.startswith("opt.") for p in _storage(location).list())
+    plain = cloudckpt.load_plain_tensors(uri, storage_options=options)
+    assert list(plain) == ["w"] and torch.equal(plain["w"], torch.ones(2))
 
 
 # -- strict handling ----------------------------------------------------------------
 
 
 @pytest.fixture
-def saved(tmp_path) -> str:
-    uri = str(tmp_path / "ckpt")
+def saved(location) -> StoreLocation:
+    """A checkpoint with tensors ``a``, ``b`` and the object ``obj``; ``(uri, options)``."""
+    uri, options = location
     cloudckpt.save(
         {
             "a": ShardedTensor.from_rank_offsets("a", torch.ones(2)),
@@ -209,8 +278,14 @@ def saved(tmp_path) -> str:
             "o": ShardedObject("obj", "payload", (1,), (0,)),
         },
         uri,
+        storage_options=options,
     )
-    return uri
+    return location
+
+
+def _load(saved: StoreLocation, request: dict, **kwargs: Any) -> Any:
+    uri, options = saved
+    return cloudckpt.load(request, uri, storage_options=options, **kwargs)
 
 
 def _req(*keys: str) -> dict:
@@ -218,56 +293,54 @@ def _req(*keys: str) -> dict:
 
 
 def test_strict_assume_ok_unexpected_ignores_extra_but_missing_fails(saved):
-    assert torch.equal(cloudckpt.load(_req("a"), saved)["a"], torch.ones(2))
+    assert torch.equal(_load(saved, _req("a"))["a"], torch.ones(2))
     with pytest.raises(CheckpointNotFoundError, match="'c'"):
-        cloudckpt.load(_req("a", "c"), saved)
+        _load(saved, _req("a", "c"))
 
 
 @pytest.mark.parametrize("mode", ["raise_all", StrictHandling.RAISE_ALL, "RAISE_ALL"])
 def test_strict_raise_all(saved, mode):
     with pytest.raises(MissingKeysError, match=r"\['c'\]"):
-        cloudckpt.load(_req("a", "b", "c"), saved, strict=mode)
+        _load(saved, _req("a", "b", "c"), strict=mode)
     with pytest.raises(UnexpectedKeysError, match=r"\['b', 'obj'\]"):
-        cloudckpt.load(_req("a"), saved, strict=mode)
+        _load(saved, _req("a"), strict=mode)
 
 
 def test_strict_raise_unexpected(saved):
     with pytest.raises(UnexpectedKeysError, match=r"\['obj'\]"):
-        cloudckpt.load(_req("a", "b"), saved, strict=StrictHandling.RAISE_UNEXPECTED)
+        _load(saved, _req("a", "b"), strict=StrictHandling.RAISE_UNEXPECTED)
     req = {**_req("a", "b"), "o": ShardedObject("obj", None, (1,), (0,))}
-    assert cloudckpt.load(req, saved, strict=StrictHandling.RAISE_UNEXPECTED)["o"] == "payload"
+    assert _load(saved, req, strict=StrictHandling.RAISE_UNEXPECTED)["o"] == "payload"
 
 
 def test_strict_log_modes(saved, caplog):
     with caplog.at_level("WARNING", logger="cloudckpt"):
-        out = cloudckpt.load(_req("a"), saved, strict=StrictHandling.LOG_UNEXPECTED)
+        out = _load(saved, _req("a"), strict=StrictHandling.LOG_UNEXPECTED)
     assert torch.equal(out["a"], torch.ones(2))
     assert "['b', 'obj']" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="cloudckpt"):
-        out = cloudckpt.load(_req("a", "c"), saved, strict=StrictHandling.LOG_ALL)
+        out = _load(saved, _req("a", "c"), strict=StrictHandling.LOG_ALL)
     assert "c" not in out and "['c']" in caplog.text and "['b', 'obj']" in caplog.text
 
 
 def test_strict_return_modes(saved):
-    out, missing, unexpected = cloudckpt.load(
-        _req("a"), saved, strict=StrictHandling.RETURN_UNEXPECTED
-    )
+    out, missing, unexpected = _load(saved, _req("a"), strict=StrictHandling.RETURN_UNEXPECTED)
     assert torch.equal(out["a"], torch.ones(2)) and missing == set() and unexpected == {"b", "obj"}
-    out, missing, unexpected = cloudckpt.load(_req("b", "c"), saved, strict="return_all")
+    out, missing, unexpected = _load(saved, _req("b", "c"), strict="return_all")
     assert torch.equal(out["b"], torch.full((2,), 2.0)) and "c" not in out
     assert missing == {"c"} and unexpected == {"a", "obj"}
 
 
 def test_strict_ignore_all_drops_missing_silently(saved, caplog):
     with caplog.at_level("WARNING", logger="cloudckpt"):
-        out = cloudckpt.load(_req("a", "c"), saved, strict=StrictHandling.IGNORE_ALL)
+        out = _load(saved, _req("a", "c"), strict=StrictHandling.IGNORE_ALL)
     assert set(out) == {"a"} and caplog.text == ""
 
 
 def test_unknown_strict_value(saved):
     with pytest.raises(ValueError, match="raise_all"):
-        cloudckpt.load(_req("a"), saved, strict="sometimes")
+        _load(saved, _req("a"), strict="sometimes")
 
 
 def test_zarr_flatten_range_and_pad_to_expected_shape():
