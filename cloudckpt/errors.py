@@ -64,6 +64,18 @@ class StorageError(CheckpointingException, OSError):
     """An object could not be written, read, listed or deleted."""
 
 
+class ObjectExistsError(StorageError, FileExistsError):
+    """A create-only write found the object already there."""
+
+
+class CommitConflictError(CheckpointingException, FileExistsError):
+    """Another job claimed or committed the same checkpoint URI."""
+
+
+class CorruptObjectError(StorageError):
+    """An object's size or CRC-32C differs from what the manifest recorded."""
+
+
 class DistributedCheckpointError(CheckpointingException):
     """One or more ranks failed; ``failures`` maps rank -> error message."""
 

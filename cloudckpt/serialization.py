@@ -20,8 +20,15 @@ from typing import Any
 import torch
 
 from cloudckpt import dist
+from cloudckpt.commit import (
+    claim,
+    commit,
+    read_commit_state,
+    read_manifest,
+    require_committed,
+)
 from cloudckpt.config import CheckpointConfig
-from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, load_config, save_config
+from cloudckpt.core import CheckpointingConfig, load_config
 from cloudckpt.dict_utils import (
     dict_list_map_outplace,
     extract_matching_values,
@@ -35,6 +42,7 @@ from cloudckpt.errors import (
     StrategyNotFoundError,
     UnexpectedKeysError,
 )
+from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
 from cloudckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -180,8 +188,9 @@ def save(
     local_metadata = _local_metadata(objects, uri) + _local_metadata(tensors, uri)
     if validate_access_integrity:
         validate_sharding_integrity(dist.all_gather_object(local_metadata), uri)
+    claimed = claim(storage)
     error: BaseException | None = None
-    results: list[WriteResult] = []
+    results: list[WriteResult] = [claimed] if claimed is not None else []
     try:
         results += sharded_saver.save(tensors, uri) or []
         if dist.get_rank() == 0:
@@ -191,8 +200,25 @@ def save(
         logger.error("rank %d failed to save %s: %s", dist.get_rank(), uri, exc)
         error = exc
     dist.raise_if_any_rank_failed(error, f"saving checkpoint {uri!r}")
-    _commit(storage, sharded_saver, common_saver)
+    backends = CheckpointingConfig(
+        sharded_saver.backend, sharded_saver.version, common_saver.backend, common_saver.version
+    )
+    common_keys = common_key_paths(common) if dist.get_rank() == 0 else []
+    commit(storage, results, backends, _tensor_entries(sharded_saver, tensors), common_keys)
     _log_rate("saved", uri, sum(r.size for r in results), len(results), started)
+
+
+def _tensor_entries(strategy: Any, tensors: ShardedStateDict) -> list[TensorEntry]:
+    """This rank's tensors for the manifest: the strategy's chunking where it has one."""
+    shards = [v for v in nested_values(tensors) if isinstance(v, ShardedTensor)]
+    describe = getattr(strategy, "tensor_entries", None)
+    if describe is not None:
+        entries: list[TensorEntry] = describe(shards)
+        return entries
+    return [
+        TensorEntry(sh.key, tuple(sh.global_shape), str(sh.dtype).removeprefix("torch."))
+        for sh in shards
+    ]
 
 
 def _log_rate(verb: str, uri: str, nbytes: int, count: int, started: float) -> None:
@@ -227,29 +253,23 @@ def _require_empty_destination(storage: CheckpointStorage) -> None:
     dist.raise_if_any_rank_failed(error, "checking the checkpoint destination")
 
 
-def _commit(storage: CheckpointStorage, sharded: Any, common: Any) -> None:
-    """Rank 0 writes ``metadata.json`` after every rank's data; all ranks then return."""
-    error = None
-    if dist.get_rank() == 0:
-        metadata = CheckpointingConfig(
-            sharded.backend, sharded.version, common.backend, common.version
-        )
-        try:
-            save_config(metadata, storage)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-    dist.raise_if_any_rank_failed(error, f"writing {CONFIG_FNAME} of {storage.uri!r}")
-
-
 def _load_strategies(
     storage: CheckpointStorage,
     sharded_strategy: LoadShardedStrategy | None,
     common_strategy: LoadCommonStrategy | None,
     storage_options: dict[str, Any] | None,
     config: CheckpointConfig | None = None,
+    verify_checksums: bool = False,
 ) -> tuple[Any, Any]:
-    """The strategies to read this checkpoint with, checked against its metadata.json."""
+    """The strategies to read this checkpoint with, checked against its metadata.json;
+    with a manifest, every read is checked against it.
+
+    Raises:
+        UncommittedCheckpointError: naming the missing commit object.
+    """
+    state = require_committed(storage)
     metadata = load_config(storage)
+    manifest = read_manifest(storage) if state.manifest else None
     if sharded_strategy is None:
         sharded_strategy = _registered_loader(
             storage,
@@ -270,9 +290,29 @@ def _load_strategies(
     check_compatibility(
         common_strategy, metadata.common_backend, metadata.common_backend_version, storage.uri
     )
-    return _with_storage(sharded_strategy, storage_options, config), _with_storage(
-        common_strategy, storage_options, config
-    )
+    expected = _expected_objects(manifest)
+    sharded = _with_storage(sharded_strategy, storage_options, config)
+    common = _with_storage(common_strategy, storage_options, config)
+    checks = (expected, verify_checksums)
+    return _checked(sharded, *checks), _checked(common, *checks)
+
+
+def _expected_objects(manifest: Manifest | None) -> dict[str, WriteResult] | None:
+    if manifest is None:
+        return None
+    return {e.path: WriteResult(e.path, e.size, e.crc32c) for e in manifest.objects}
+
+
+def _checked(
+    strategy: Any, expected: dict[str, WriteResult] | None, verify_checksums: bool
+) -> Any:
+    """A copy of ``strategy`` whose reads are checked against the manifest's entries."""
+    if expected is None or not hasattr(strategy, "expected_objects"):
+        return strategy
+    strategy = copy.copy(strategy)
+    strategy.expected_objects = expected
+    strategy.verify_checksums = verify_checksums
+    return strategy
 
 
 def _registered_loader(
@@ -297,6 +337,7 @@ def load(
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
+    verify_checksums: bool = False,
 ) -> LoadResult:
     """Load a checkpoint into the layout ``sharded_state_dict`` describes. Collective.
 
@@ -312,6 +353,9 @@ def load(
         storage_options: fsspec options for the URI's filesystem.
         config: a training-config section (storage options, in-flight requests, part
             size for ranged reads).
+        verify_checksums: check the CRC-32C of every object a read touches, reading
+            partly needed objects whole. Without it, objects read whole are still checked
+            against the manifest's CRC-32C, and every read against its size.
 
     Returns:
         The loaded state dict (common state merged with the loaded shards), or with a
@@ -319,7 +363,9 @@ def load(
 
     Raises:
         CheckpointNotFoundError: nothing at the URI, or a requested key is absent.
-        UncommittedCheckpointError: the checkpoint was never committed.
+        UncommittedCheckpointError: the checkpoint was never committed (names the
+            missing metadata.json or manifest.json).
+        CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
         MissingKeysError / UnexpectedKeysError: per ``strict``.
     """
     started = time.perf_counter()
@@ -327,7 +373,7 @@ def load(
     strict = parse_strict_flag(strict)
     storage = _open(uri, sharded_strategy, storage_options, config)
     sharded_strategy, common_strategy = _load_strategies(
-        storage, sharded_strategy, common_strategy, storage_options, config
+        storage, sharded_strategy, common_strategy, storage_options, config, verify_checksums
     )
     common_state = common_strategy.load_common(uri)
     nonpersistent, requested = extract_matching_values(
@@ -505,6 +551,7 @@ def check_is_distributed_checkpoint(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
 ) -> bool:
-    """True when ``checkpoint_dir`` holds a committed checkpoint (its metadata.json)."""
+    """True when ``checkpoint_dir`` holds a committed checkpoint: its metadata.json and,
+    when cloudckpt wrote it, its manifest.json."""
     storage = _open(checkpoint_uri(checkpoint_dir), None, storage_options, config)
-    return storage.exists(CONFIG_FNAME)
+    return read_commit_state(storage).committed

@@ -40,7 +40,7 @@ import logging
 import os
 import posixpath
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -54,7 +54,13 @@ from cloudckpt.config import (
     redact_uri,
     resolve_storage_options,
 )
-from cloudckpt.errors import CheckpointNotFoundError, InvalidKeyError, StorageError
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptObjectError,
+    InvalidKeyError,
+    ObjectExistsError,
+    StorageError,
+)
 from cloudckpt.transfer import (
     Buffer,
     BufferReader,
@@ -68,6 +74,7 @@ from cloudckpt.transfer import (
 __all__ = [
     "CheckpointStorage",
     "FileSystem",
+    "OpenUpload",
     "ReadRequest",
     "WriteResult",
     "crc32c",
@@ -85,6 +92,7 @@ R = TypeVar("R")
 S3_PROTOCOLS = ("s3", "s3a")
 GCS_PROTOCOLS = ("gs", "gcs")
 GCS_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable uploads take chunks in multiples of this
+PRECONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +108,21 @@ class WriteResult:
     path: str
     size: int
     crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpenUpload:
+    """A multipart upload started and neither completed nor aborted (S3 only).
+
+    Attributes:
+        path: object path relative to the checkpoint root.
+        upload_id: the store's id of the upload.
+        initiated: when it started, ISO 8601 ("" when the store does not say).
+    """
+
+    path: str
+    upload_id: str
+    initiated: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +175,12 @@ class _PendingWrite:
     errors: list[BaseException] = field(default_factory=list)
 
 
+def _error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ClientError ("" for anything else)."""
+    response = getattr(exc, "response", None)
+    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+
+
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
@@ -201,6 +230,10 @@ class CheckpointStorage:
         max_in_flight: the most requests one call keeps in flight (default: the
             config's).
         config: part size, in-flight requests and storage options of a training config.
+        expected: what a manifest recorded, by relative path: every object read whole
+            is checked against its size and CRC-32C, every ranged read against its size.
+        verify_checksums: also check the CRC-32C of objects only partly needed (they
+            are then read whole).
     """
 
     def __init__(
@@ -211,8 +244,12 @@ class CheckpointStorage:
         max_in_flight: int | None = None,
         *,
         config: CheckpointConfig | None = None,
+        expected: Mapping[str, WriteResult] | None = None,
+        verify_checksums: bool = False,
     ) -> None:
         raw_uri = os.fspath(uri)
+        self.expected: Mapping[str, WriteResult] = expected or {}
+        self.verify_checksums = verify_checksums
         self.uri = redact_uri(raw_uri)
         self.config = config or CheckpointConfig()
         self.max_in_flight = self.config.max_in_flight if max_in_flight is None else max_in_flight
@@ -261,13 +298,59 @@ class CheckpointStorage:
 
     # -- writes ------------------------------------------------------------------
 
-    def write(self, relpath: str, data: Buffer) -> WriteResult:
-        """Write one whole object, replacing any previous one.
+    def write(self, relpath: str, data: Buffer, *, exclusive: bool = False) -> WriteResult:
+        """Write one whole object, replacing any previous one (unless ``exclusive``).
 
         ``data`` is any buffer (``bytes``, a ``memoryview`` of a tensor's memory); it is
         not copied by this layer. Returns the size and CRC-32C of what was written.
+
+        With ``exclusive``, the write is create-only, as one request: S3
+        ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, a local ``O_EXCL`` open. See
+        :attr:`enforces_exclusive_writes` for stores that ignore it.
+
+        Raises:
+            ObjectExistsError: ``exclusive`` and the object exists.
+            StorageError: any other failure.
         """
-        return self.write_many([(relpath, data)])[0]
+        if not exclusive:
+            return self.write_many([(relpath, data)])[0]
+        view = as_bytes_view(data)
+        checksum = crc32c(view)
+        self._create(relpath, self.full_path(relpath), view, checksum)
+        return WriteResult(relpath, view.nbytes, checksum)
+
+    def _create(self, relpath: str, path: str, view: memoryview, checksum: int) -> None:
+        try:
+            if self._is_s3:
+                self._s3_put(path, view, checksum, IfNoneMatch="*")
+            else:
+                if self._is_local:
+                    self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                with self._slots:
+                    self.fs.pipe_file(path, view, mode="create")
+        except FileExistsError as exc:
+            raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
+        except Exception as exc:
+            if _error_code(exc) in PRECONDITION_FAILED:
+                raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
+            raise StorageError(f"failed to create {self.child_uri(relpath)}: {exc}") from exc
+
+    @property
+    def enforces_exclusive_writes(self) -> bool | None:
+        """Whether create-only writes are known to be enforced by this store.
+
+        True for local disks, ``memory://``, S3 (AWS, MinIO; moto) and Google Cloud
+        Storage itself; False for a GCS endpoint other than Google's (the GCS emulator
+        ignores ``ifGenerationMatch=0``); None (unknown) for other protocols.
+        """
+        if self._is_local or "memory" in _protocols(self.fs) or self._is_s3:
+            return True
+        if self._is_gcs:
+            endpoint = str(getattr(self.fs, "_endpoint", None) or os.environ.get(
+                "STORAGE_EMULATOR_HOST", ""
+            ))
+            return not endpoint or "googleapis.com" in endpoint
+        return None
 
     def write_many(self, items: Iterable[tuple[str, Buffer]]) -> builtins.list[WriteResult]:
         """Write several objects, at most ``max_in_flight`` requests at once.
@@ -347,7 +430,7 @@ class CheckpointStorage:
     def _gcs_chunk_size(self) -> int:
         return max(GCS_CHUNK_MULTIPLE, self.part_size - self.part_size % GCS_CHUNK_MULTIPLE)
 
-    def _s3_put(self, path: str, view: memoryview, checksum: int) -> None:
+    def _s3_put(self, path: str, view: memoryview, checksum: int, **extra: Any) -> None:
         bucket, key, _ = self.fs.split_path(path)
         self._s3_send(
             "put_object",
@@ -355,6 +438,7 @@ class CheckpointStorage:
             Key=key,
             Body=BufferReader(view),
             ChecksumCRC32C=crc32c_base64(checksum),
+            **extra,
         )
         self.fs.invalidate_cache(path)
 
@@ -481,10 +565,50 @@ class CheckpointStorage:
     def read(self, relpath: str, start: int = 0, end: int | None = None) -> bytes:
         """Read a whole object or the byte range ``[start, end)`` of it.
 
+        Objects listed in :attr:`expected` are checked (see the class docstring).
+
         Raises:
             CheckpointNotFoundError: the object does not exist.
+            CorruptObjectError: size or CRC-32C differ from the manifest's.
             StorageError: any other failure.
         """
+        entry = self.expected.get(relpath)
+        if entry is None:
+            return self._read(relpath, start, end)
+        if start == 0 and end is None:
+            data = self._read(relpath)
+            self._check_whole(relpath, memoryview(data))
+            return data
+        self._check_range(relpath, start, entry.size if end is None else end)
+        if self.verify_checksums:
+            return self.read(relpath)[start:end]
+        return self._read(relpath, start, end)
+
+    def _check_whole(self, relpath: str, data: memoryview) -> None:
+        entry = self.expected.get(relpath)
+        if entry is None:
+            return
+        if data.nbytes != entry.size:
+            raise CorruptObjectError(
+                f"{self.child_uri(relpath)} has {data.nbytes} bytes; the manifest recorded "
+                f"{entry.size}"
+            )
+        actual = crc32c(data)
+        if actual != entry.crc32c:
+            raise CorruptObjectError(
+                f"{self.child_uri(relpath)}: CRC-32C {actual:#010x} differs from the "
+                f"manifest's {entry.crc32c:#010x}; the object is corrupt"
+            )
+
+    def _check_range(self, relpath: str, start: int, end: int) -> None:
+        entry = self.expected[relpath]
+        if end > entry.size:
+            raise CorruptObjectError(
+                f"{self.child_uri(relpath)}: bytes {start}-{end} requested, but the manifest "
+                f"recorded {entry.size} bytes for this object"
+            )
+
+    def _read(self, relpath: str, start: int = 0, end: int | None = None) -> bytes:
         path = self.full_path(relpath)
         if end is not None and end <= start:
             # an empty range; some filesystems (s3fs) read the whole object for it
@@ -522,16 +646,43 @@ class CheckpointStorage:
         self.read_into_many([(ReadRequest(relpath, start), out)])
 
     def read_into_many(self, items: Sequence[tuple[ReadRequest, memoryview]]) -> None:
-        """:meth:`read_into` for many (request, buffer) pairs, concurrently."""
+        """:meth:`read_into` for many (request, buffer) pairs, concurrently.
+
+        Objects listed in :attr:`expected` are checked: a buffer covering the whole
+        object against size and CRC-32C, a partial one against the size (and, with
+        :attr:`verify_checksums`, against the CRC-32C of the whole object, read in full).
+        """
+        views = [(request, as_bytes_view(buffer)) for request, buffer in items]
+        checked = [(r, v) for r, v in views if self._needs_whole_read(r, v)]
+        direct = [(r, v) for r, v in views if not self._needs_whole_read(r, v)]
+        for request, view in direct:
+            if request.path in self.expected:
+                self._check_range(request.path, request.start, request.start + view.nbytes)
         ranges = [
             (request.path, request.start + a, view[a:b])
-            for request, buffer in items
-            for view in (as_bytes_view(buffer),)
+            for request, view in direct
             for a, b in self._read_ranges(view.nbytes)
         ]
         progress = Progress("read", self.uri, sum(v.nbytes for _, _, v in ranges), len(items))
         self.map(lambda r: self._read_range_into(r[0], r[2], r[1], progress), ranges)
+        self.map(lambda rv: self._check_whole_buffer(*rv), direct)
+        self.map(lambda rv: self._read_whole_into(*rv), checked)
         progress.finish()
+
+    def _needs_whole_read(self, request: ReadRequest, view: memoryview) -> bool:
+        entry = self.expected.get(request.path)
+        whole = entry is not None and request.start == 0 and view.nbytes == entry.size
+        return entry is not None and self.verify_checksums and not whole
+
+    def _check_whole_buffer(self, request: ReadRequest, view: memoryview) -> None:
+        entry = self.expected.get(request.path)
+        if entry is not None and request.start == 0 and view.nbytes == entry.size:
+            self._check_whole(request.path, view)
+
+    def _read_whole_into(self, request: ReadRequest, view: memoryview) -> None:
+        self._check_range(request.path, request.start, request.start + view.nbytes)
+        data = self.read(request.path)
+        view[:] = memoryview(data)[request.start : request.start + view.nbytes]
 
     def _read_ranges(self, nbytes: int) -> builtins.list[tuple[int, int]]:
         if self._is_local or nbytes <= self.part_size:
@@ -604,6 +755,82 @@ class CheckpointStorage:
         prefix_len = len(root) + 1 if root else 0
         return sorted(self.fs._strip_protocol(p)[prefix_len:] for p in found)
 
+    def list_children(self) -> builtins.list[str]:
+        """Names of the immediate sub-prefixes (directories) of the root, sorted."""
+        try:
+            entries = self.fs.ls(self.root, detail=True) if self.fs.exists(self.root) else []
+        except FileNotFoundError:
+            entries = []
+        except Exception as exc:
+            raise StorageError(f"failed to list {self.uri}: {exc}") from exc
+        return sorted(
+            posixpath.basename(self.fs._strip_protocol(e["name"]).rstrip("/"))
+            for e in entries
+            if e.get("type") == "directory"
+        )
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """``{relative path: size}`` of every object below the root (or ``prefix``),
+        from the listing alone (no object is opened)."""
+        base = self.full_path(prefix) if prefix else self.root
+        try:
+            found = self.fs.find(base, withdirs=False, detail=True) if self.fs.exists(base) else {}
+        except FileNotFoundError:
+            found = {}
+        except Exception as exc:
+            raise StorageError(f"failed to list {self.uri}: {exc}") from exc
+        root = self.fs._strip_protocol(self.root).rstrip("/")
+        prefix_len = len(root) + 1 if root else 0
+        return {
+            self.fs._strip_protocol(path)[prefix_len:]: int(info.get("size") or 0)
+            for path, info in sorted(found.items())
+        }
+
+    def checksum(self, relpath: str, size: int) -> WriteResult:
+        """Size and CRC-32C of an object of ``size`` bytes, read in ``part_size`` ranges
+        (so memory stays at one part per call however large the object)."""
+        crc, done = 0, 0
+        for start, end in plan_parts(size, self.part_size):
+            if end > start:
+                data = self._read(relpath, start, end)
+                crc = crc32c(data, crc)
+                done += len(data)
+        return WriteResult(relpath, done, crc)
+
+    def open_uploads(self) -> builtins.list[OpenUpload]:
+        """Multipart uploads open below the root (S3 only; other stores have none)."""
+        if not self._is_s3:
+            return []
+        bucket, key, _ = self.fs.split_path(self.root)
+        prefix = key.rstrip("/") + "/" if key else ""
+        uploads: builtins.list[OpenUpload] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self._s3_call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            uploads += [
+                OpenUpload(u["Key"][len(prefix) :], u["UploadId"], _iso(u.get("Initiated")))
+                for u in page.get("Uploads", [])
+            ]
+            if not page.get("IsTruncated"):
+                return uploads
+            markers = {
+                "KeyMarker": page["NextKeyMarker"],
+                "UploadIdMarker": page["NextUploadIdMarker"],
+            }
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        """Abort an open multipart upload (its parts are deleted by the store)."""
+        bucket, key, _ = self.fs.split_path(self.full_path(upload.path))
+        try:
+            self._s3_call(
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id
+            )
+        except Exception as exc:
+            raise StorageError(
+                f"failed to abort multipart upload {upload.upload_id} of "
+                f"{self.child_uri(upload.path)}: {exc}"
+            ) from exc
+
     def is_empty(self) -> bool:
         """True when no object exists below the root."""
         return not self.list()
@@ -650,6 +877,10 @@ def _guarded(cancel: threading.Event, fn: Callable[..., R], *args: Any) -> R:
         raise
 
 
+def _iso(value: Any) -> str:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value or "")
+
+
 def _first_error(failed: builtins.list[_PendingWrite]) -> BaseException:
     for item in failed[1:]:
         logger.error("also failed: %s", item.errors[0])
@@ -662,10 +893,19 @@ def open_checkpoint(
     storage_options: dict[str, Any] | None = None,
     *,
     config: CheckpointConfig | None = None,
+    expected: Mapping[str, WriteResult] | None = None,
+    verify_checksums: bool = False,
 ) -> CheckpointStorage:
     """Resolve a checkpoint URI (or use ``fs``) into a :class:`CheckpointStorage`."""
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
     if not isinstance(uri, str) or not uri:
         raise CheckpointNotFoundError(f"checkpoint location must be a non-empty URI, got {uri!r}")
-    return CheckpointStorage(uri, fs=fs, storage_options=storage_options, config=config)
+    return CheckpointStorage(
+        uri,
+        fs=fs,
+        storage_options=storage_options,
+        config=config,
+        expected=expected,
+        verify_checksums=verify_checksums,
+    )

@@ -88,7 +88,7 @@ EXPECTED_OBJECTS = {
     *(f"rng_state/shard_{r}_4.pt" for r in range(4)),
 }
 # What a later commit protocol may add next to these (see DESIGN.md).
-ALLOWED_EXTRA_OBJECTS = {"manifest.json"}
+ALLOWED_EXTRA_OBJECTS = {"manifest.json", ".cloudckpt-claim.json"}
 
 
 def _rank_object(rank: int) -> dict[str, Any]:

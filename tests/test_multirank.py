@@ -84,9 +84,11 @@ def test_save_tp2_dp2_load_tp4_tp1_and_2d_tiles(rank_pool, tmp_path):
     uri = str(tmp_path / "ckpt")
     assert rank_pool.run(_reshard_scenario, uri) == [7, 7, 7, 7]
     assert sorted(os.listdir(uri)) == [
+        ".cloudckpt-claim.json",
         "bias",
         "common.pt",
         "layernorm",
+        "manifest.json",
         "metadata.json",
         "w_col",
         "w_row",

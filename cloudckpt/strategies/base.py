@@ -22,6 +22,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Union
@@ -32,7 +33,7 @@ from cloudckpt.errors import (
     IncompatibleCheckpointError,
     StrategyNotFoundError,
 )
-from cloudckpt.storage import CheckpointStorage, FileSystem, open_checkpoint
+from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult, open_checkpoint
 from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 if TYPE_CHECKING:
@@ -409,6 +410,9 @@ class StorageBackedMixin:
     fs: FileSystem | None = None
     storage_options: dict[str, Any] | None = None
     config: CheckpointConfig | None = None
+    # set by load from the checkpoint's manifest: reads are checked against it
+    expected_objects: Mapping[str, WriteResult] | None = None
+    verify_checksums: bool = False
 
     def _set_storage(
         self,
@@ -422,7 +426,12 @@ class StorageBackedMixin:
 
     def _storage(self, checkpoint_dir: CheckpointDir) -> CheckpointStorage:
         return open_checkpoint(
-            checkpoint_uri(checkpoint_dir), self.fs, self.storage_options, config=self.config
+            checkpoint_uri(checkpoint_dir),
+            self.fs,
+            self.storage_options,
+            config=self.config,
+            expected=self.expected_objects,
+            verify_checksums=self.verify_checksums,
         )
 
 

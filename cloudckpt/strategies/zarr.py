@@ -30,6 +30,7 @@ from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
 )
+from cloudckpt.manifest import TensorEntry
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
 from cloudckpt.storage import FileSystem, WriteResult, open_checkpoint
@@ -136,6 +137,15 @@ class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
 
     def _chunk_size(self) -> int | None:
         return self.config.chunk_size if self.config is not None else self.chunk_size
+
+    def tensor_entries(self, tensors: list[ShardedTensor]) -> list[TensorEntry]:
+        """Manifest entries (global shape, dtype, zarr chunk shape) of ``tensors``."""
+        entries = {}
+        for sh in tensors:
+            meta = _array_meta(sh, self._chunk_size())
+            dtype = str(sh.dtype).removeprefix("torch.")
+            entries[sh.key] = TensorEntry(sh.key, tuple(sh.global_shape), dtype, meta.chunks)
+        return list(entries.values())
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> list[WriteResult]:
         """Write this rank's main-replica chunks; collective when tensors are flattened.

@@ -1,0 +1,245 @@
+"""The commit protocol: object stores have no atomic rename, so a checkpoint is
+committed by two small create-once writes after all data is stored.
+
+1. :func:`claim` — before any data, the coordinator creates ``.cloudckpt-claim.json``
+   create-only: a second job writing the same URI fails here, before it overwrites
+   anything.
+2. Every rank uploads its objects; each write returns (path, size, crc32c).
+3. :func:`commit` gathers the write results over torch.distributed (nothing is read
+   back from the store), the coordinator creates ``manifest.json`` create-only, then
+   writes ``metadata.json`` (Megatron-Core's marker, exactly its keys) last.
+
+:func:`read_commit_state` tells committed, uncommitted and foreign (Megatron-Core or
+PyTorch-written: ``metadata.json`` without a claim or manifest) checkpoints apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cloudckpt import dist
+from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, save_config
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    CommitConflictError,
+    ObjectExistsError,
+    UncommittedCheckpointError,
+)
+from cloudckpt.manifest import (
+    CLAIM_FNAME,
+    MANIFEST_FNAME,
+    Manifest,
+    ManifestEntry,
+    TensorEntry,
+    merge_entries,
+)
+from cloudckpt.storage import CheckpointStorage, WriteResult
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR = 0
+
+
+@dataclass(frozen=True)
+class CommitState:
+    """Which of the commit objects exist under a checkpoint URI."""
+
+    metadata: bool
+    manifest: bool
+    claim: bool
+
+    @property
+    def foreign(self) -> bool:
+        """Written by Megatron-Core or PyTorch: ``metadata.json`` but no cloudckpt objects."""
+        return self.metadata and not self.manifest and not self.claim
+
+    @property
+    def committed(self) -> bool:
+        """``metadata.json`` and, for a cloudckpt checkpoint, ``manifest.json``."""
+        return self.metadata and (self.manifest or not self.claim)
+
+    def missing(self) -> list[str]:
+        """The commit objects whose absence makes the checkpoint uncommitted."""
+        absent = [] if self.metadata else [CONFIG_FNAME]
+        if self.claim and not self.manifest:
+            absent.insert(0, MANIFEST_FNAME)
+        return absent
+
+
+def read_commit_state(storage: CheckpointStorage) -> CommitState:
+    """Look up the commit objects (three small requests, no data read)."""
+    return CommitState(
+        metadata=storage.exists(CONFIG_FNAME),
+        manifest=storage.exists(MANIFEST_FNAME),
+        claim=storage.exists(CLAIM_FNAME),
+    )
+
+
+def require_committed(storage: CheckpointStorage) -> CommitState:
+    """The commit state of a checkpoint that must be committed.
+
+    Raises:
+        CheckpointNotFoundError: nothing is stored at the URI.
+        UncommittedCheckpointError: naming the missing commit objects.
+    """
+    state = read_commit_state(storage)
+    if state.committed:
+        return state
+    if not state.claim and not state.manifest and storage.is_empty():
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.uri!r}")
+    raise UncommittedCheckpointError(
+        f"checkpoint {storage.uri!r} is not committed: {' and '.join(state.missing())} "
+        f"{'is' if len(state.missing()) == 1 else 'are'} missing (the save failed, is still "
+        "running, or the file was deleted); `cloudckpt verify` shows what is there"
+    )
+
+
+def read_manifest(storage: CheckpointStorage) -> Manifest | None:
+    """The checkpoint's manifest, or None when it has none."""
+    if not storage.exists(MANIFEST_FNAME):
+        return None
+    return Manifest.from_json(storage.read(MANIFEST_FNAME), storage.child_uri(MANIFEST_FNAME))
+
+
+# -- writing -----------------------------------------------------------------------------
+
+
+def claim(storage: CheckpointStorage) -> WriteResult | None:
+    """Create the claim object (coordinator only; collective). Returns its write result
+    on the coordinator, None elsewhere.
+
+    Raises:
+        CommitConflictError: on every rank, when another job claimed the URI first.
+    """
+    error: BaseException | None = None
+    result = None
+    if dist.get_rank() == COORDINATOR:
+        _warn_if_not_exclusive(storage)
+        try:
+            result = storage.write(CLAIM_FNAME, _claim_document(), exclusive=True)
+        except ObjectExistsError as exc:
+            error = CommitConflictError(
+                f"checkpoint {storage.uri!r} is already being written or was written by "
+                f"another job ({CLAIM_FNAME} exists: {_describe_claim(storage)}); choose a "
+                "new URI"
+            )
+            error.__cause__ = exc
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = exc
+    dist.raise_if_any_rank_failed(error, f"claiming checkpoint {storage.uri!r}")
+    return result
+
+
+def commit(
+    storage: CheckpointStorage,
+    results: Sequence[WriteResult],
+    backends: CheckpointingConfig,
+    tensors: Sequence[TensorEntry] = (),
+    common_keys: Sequence[str] = (),
+) -> Manifest | None:
+    """Gather every rank's write results; the coordinator writes ``manifest.json``
+    (create-only) and then ``metadata.json``. Collective.
+
+    Args:
+        results: this rank's write results.
+        backends: what ``metadata.json`` records.
+        tensors: this rank's tensors (merged over ranks by key).
+        common_keys: the common state's key paths (from the rank that saved it).
+
+    Returns:
+        The manifest on the coordinator, None on the other ranks.
+
+    Raises:
+        CommitConflictError: on every rank, when ``manifest.json`` already exists.
+    """
+    entries = [ManifestEntry(r.path, r.size, r.crc32c) for r in results]
+    gathered = dist.all_gather_object((entries, list(tensors), list(common_keys)))
+    error: BaseException | None = None
+    manifest = None
+    if dist.get_rank() == COORDINATOR:
+        per_rank = [rank_entries for rank_entries, _, _ in gathered]
+        all_tensors = {t.key: t for _, rank_tensors, _ in gathered for t in rank_tensors}
+        keys = sorted({k for _, _, rank_keys in gathered for k in rank_keys})
+        try:
+            manifest = _write_commit(storage, per_rank, backends, list(all_tensors.values()), keys)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = exc
+    dist.raise_if_any_rank_failed(error, f"committing checkpoint {storage.uri!r}")
+    return manifest
+
+
+def _write_commit(
+    storage: CheckpointStorage,
+    per_rank: list[list[ManifestEntry]],
+    backends: CheckpointingConfig,
+    tensors: Sequence[TensorEntry],
+    common_keys: Sequence[str],
+) -> Manifest:
+    manifest = Manifest(
+        objects=tuple(merge_entries(per_rank)),
+        tensors=tuple(tensors),
+        common_keys=tuple(common_keys),
+        world_size=len(per_rank),
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        backends=asdict(backends),
+    )
+    try:
+        storage.write(MANIFEST_FNAME, manifest.to_json(), exclusive=True)
+    except ObjectExistsError as exc:
+        raise CommitConflictError(
+            f"checkpoint {storage.uri!r} was committed by another job ({MANIFEST_FNAME} "
+            "exists); this job's commit is refused"
+        ) from exc
+    save_config(backends, storage)
+    logger.info(
+        "committed %s: %d objects, %.1f MB from %d ranks",
+        storage.uri,
+        len(manifest.objects),
+        manifest.total_size / 1e6,
+        manifest.world_size,
+    )
+    return manifest
+
+
+def _claim_document() -> bytes:
+    doc = {
+        "job": uuid.uuid4().hex,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "world_size": dist.get_world_size(),
+        "claimed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return (json.dumps(doc, sort_keys=True) + "\n").encode()
+
+
+def _describe_claim(storage: CheckpointStorage) -> str:
+    try:
+        doc: Mapping[str, Any] = json.loads(storage.read(CLAIM_FNAME))
+        return f"host {doc.get('host')}, pid {doc.get('pid')}, at {doc.get('claimed')}"
+    except Exception:  # noqa: BLE001 - a description for a message only
+        return "claim unreadable"
+
+
+_warned: set[str] = set()
+
+
+def _warn_if_not_exclusive(storage: CheckpointStorage) -> None:
+    enforced = storage.enforces_exclusive_writes
+    if enforced or storage.uri in _warned:
+        return
+    _warned.add(storage.uri)
+    what = "ignores create-only writes" if enforced is False else "may not enforce create-only"
+    logger.warning(
+        "the store of %s %s (e.g. the GCS emulator and ifGenerationMatch=0): two jobs "
+        "writing this URI at once would not be detected",
+        storage.uri,
+        what,
+    )

@@ -1,0 +1,188 @@
+"""The manifest: cloudckpt's record of a committed checkpoint.
+
+``manifest.json`` lists every object of the checkpoint with its size and CRC-32C,
+as the writing ranks measured them while the bytes streamed out, plus what a reader
+or an operator wants to know without opening the data: each tensor's global shape,
+dtype and zarr chunk shape, the common-state keys, the writer's world size and the
+time of the commit. It is written once (create-only) by the coordinator after every
+rank's data is stored, and before ``metadata.json``; it is never built by reading the
+bucket back.
+
+Next to it, ``.cloudckpt-claim.json`` is the first object a cloudckpt save writes
+(also create-only): it keeps a second job from writing into the same URI, and it
+tells a checkpoint written by cloudckpt (which must have a manifest to be committed)
+from one written by Megatron-Core or PyTorch (which never has one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cloudckpt.errors import CheckpointingException
+
+MANIFEST_FNAME = "manifest.json"
+CLAIM_FNAME = ".cloudckpt-claim.json"
+MANIFEST_FORMAT = "cloudckpt-manifest"
+MANIFEST_VERSION = 1
+
+
+class ManifestError(CheckpointingException, ValueError):
+    """``manifest.json`` is not a valid cloudckpt manifest."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    """One stored object: path relative to the checkpoint root, size, CRC-32C."""
+
+    path: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One stored tensor (a zarr array, or a DCP tensor): its global layout."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything ``manifest.json`` holds.
+
+    Attributes:
+        objects: every object of the checkpoint except ``manifest.json`` and
+            ``metadata.json`` themselves, sorted by path.
+        tensors: stored tensors, sorted by key.
+        common_keys: dotted paths of the common state's values, sorted.
+        world_size: ranks of the job that wrote the checkpoint.
+        created: commit time, ISO 8601 UTC.
+        backends: ``metadata.json``'s four values (sharded/common backend and version).
+    """
+
+    objects: tuple[ManifestEntry, ...]
+    tensors: tuple[TensorEntry, ...] = ()
+    common_keys: tuple[str, ...] = ()
+    world_size: int = 1
+    created: str = ""
+    backends: Mapping[str, Any] = field(default_factory=dict)
+    version: int = MANIFEST_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "objects", tuple(sorted(self.objects, key=lambda e: e.path)))
+        object.__setattr__(self, "tensors", tuple(sorted(self.tensors, key=lambda t: t.key)))
+        object.__setattr__(self, "common_keys", tuple(sorted(self.common_keys)))
+        paths = [e.path for e in self.objects]
+        duplicates = sorted({p for p in paths if paths.count(p) > 1})
+        if duplicates:
+            raise ManifestError(f"objects listed more than once: {duplicates[:10]}")
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of all listed objects."""
+        return sum(e.size for e in self.objects)
+
+    def by_path(self) -> dict[str, ManifestEntry]:
+        """Entries keyed by object path."""
+        return {e.path: e for e in self.objects}
+
+    def to_json(self) -> bytes:
+        """Canonical JSON: sorted keys, sorted entries, no whitespace variance."""
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "version": self.version,
+            "created": self.created,
+            "world_size": self.world_size,
+            "backends": dict(self.backends),
+            "common_keys": list(self.common_keys),
+            "tensors": [_tensor_doc(t) for t in self.tensors],
+            "objects": [[e.path, e.size, e.crc32c] for e in self.objects],
+        }
+        return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON, hex: one value naming this exact commit."""
+        return hashlib.sha256(self.to_json()).hexdigest()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str, where: str = "manifest.json") -> Manifest:
+        """Parse and check a manifest.
+
+        Raises:
+            ManifestError: not JSON, not a cloudckpt manifest, or malformed (naming ``where``).
+        """
+        try:
+            doc = json.loads(raw)
+            if doc.get("format") != MANIFEST_FORMAT:
+                raise ManifestError(f"{where} is not a cloudckpt manifest")
+            if doc.get("version") != MANIFEST_VERSION:
+                raise ManifestError(
+                    f"{where} has manifest version {doc.get('version')!r}; this cloudckpt "
+                    f"reads version {MANIFEST_VERSION}"
+                )
+            return cls(
+                objects=tuple(ManifestEntry(str(p), int(s), int(c)) for p, s, c in doc["objects"]),
+                tensors=tuple(_tensor_from_doc(t) for t in doc["tensors"]),
+                common_keys=tuple(str(k) for k in doc["common_keys"]),
+                world_size=int(doc["world_size"]),
+                created=str(doc["created"]),
+                backends=dict(doc["backends"]),
+            )
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ManifestError(f"{where} is malformed: {exc!r}") from exc
+
+
+def _tensor_doc(t: TensorEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"key": t.key, "shape": list(t.global_shape), "dtype": t.dtype}
+    if t.chunks is not None:
+        doc["chunks"] = list(t.chunks)
+    return doc
+
+
+def _tensor_from_doc(doc: Mapping[str, Any]) -> TensorEntry:
+    chunks = doc.get("chunks")
+    return TensorEntry(
+        key=str(doc["key"]),
+        global_shape=tuple(int(n) for n in doc["shape"]),
+        dtype=str(doc["dtype"]),
+        chunks=tuple(int(n) for n in chunks) if chunks is not None else None,
+    )
+
+
+def common_key_paths(state: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of the leaves of nested dicts (lists and other values are leaves)."""
+    paths: list[str] = []
+    for key, value in state.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            paths.extend(common_key_paths(value, path + "."))
+        else:
+            paths.append(path)
+    return paths
+
+
+def merge_entries(per_rank: Iterable[Iterable[ManifestEntry]]) -> list[ManifestEntry]:
+    """All ranks' write results as one list.
+
+    Raises:
+        ManifestError: two different results for one path (two ranks wrote one object).
+    """
+    merged: dict[str, ManifestEntry] = {}
+    for rank, entries in enumerate(per_rank):
+        for entry in entries:
+            previous = merged.setdefault(entry.path, entry)
+            if previous != entry:
+                raise ManifestError(
+                    f"object {entry.path!r} was written twice with different contents "
+                    f"(rank {rank} among them): {previous} vs {entry}"
+                )
+    return list(merged.values())
