@@ -128,7 +128,7 @@ def claim(storage: CheckpointStorage) -> WriteResult | None:
         except ObjectExistsError as exc:
             error = CommitConflictError(
                 f"checkpoint {storage.uri!r} is already being written or was written by "
-                f"another job ({CLAIM_FNAME} exists: {_describe_claim(storage)}); choose a "
+                f"another job ({CLAIM_FNAME} exists: {describe_claim(storage)}); choose a "
                 "new URI"
             )
             error.__cause__ = exc
@@ -220,7 +220,8 @@ def _claim_document() -> bytes:
     return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
-def _describe_claim(storage: CheckpointStorage) -> str:
+def describe_claim(storage: CheckpointStorage) -> str:
+    """Who claimed the checkpoint, for messages."""
     try:
         doc: Mapping[str, Any] = json.loads(storage.read(CLAIM_FNAME))
         return f"host {doc.get('host')}, pid {doc.get('pid')}, at {doc.get('claimed')}"

@@ -23,6 +23,7 @@ from cloudckpt import dist
 from cloudckpt.commit import (
     claim,
     commit,
+    describe_claim,
     read_commit_state,
     read_manifest,
     require_committed,
@@ -37,12 +38,13 @@ from cloudckpt.dict_utils import (
 )
 from cloudckpt.errors import (
     CheckpointingException,
+    CommitConflictError,
     IncompatibleCheckpointError,
     MissingKeysError,
     StrategyNotFoundError,
     UnexpectedKeysError,
 )
-from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
+from cloudckpt.manifest import CLAIM_FNAME, Manifest, TensorEntry, common_key_paths
 from cloudckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -244,12 +246,18 @@ def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, in
 
 
 def _require_empty_destination(storage: CheckpointStorage) -> None:
-    error = None
+    error: CheckpointingException | None = None
     if dist.get_rank() == 0 and not storage.is_empty():
-        error = CheckpointingException(
-            f"checkpoint destination {storage.uri!r} is not empty; refusing to overwrite "
-            "(choose a new URI or remove the old checkpoint)"
-        )
+        if storage.exists(CLAIM_FNAME):
+            error = CommitConflictError(
+                f"checkpoint destination {storage.uri!r} is claimed by another save "
+                f"({CLAIM_FNAME} exists: {describe_claim(storage)}); choose a new URI"
+            )
+        else:
+            error = CheckpointingException(
+                f"checkpoint destination {storage.uri!r} is not empty; refusing to overwrite "
+                "(choose a new URI or remove the old checkpoint)"
+            )
     dist.raise_if_any_rank_failed(error, "checking the checkpoint destination")
 
 

@@ -704,7 +704,7 @@ class CheckpointStorage:
         except Exception as exc:
             raise StorageError(f"failed to read {self.child_uri(relpath)}: {exc}") from exc
         if got != out.nbytes:
-            raise StorageError(
+            raise CorruptObjectError(
                 f"{self.child_uri(relpath)}: read {got} bytes at offset {start}, expected "
                 f"{out.nbytes}; the object is truncated"
             )
