@@ -1,0 +1,305 @@
+"""The consistency checker: compare what is stored under a checkpoint URI with its manifest.
+
+:func:`verify` answers "is this checkpoint complete and intact?" without loading it:
+
+* **shallow** (default): one listing with sizes, ``metadata.json``, ``manifest.json``
+  and the open multipart uploads. No data object is read: every object listed in the
+  manifest must exist with the recorded size; nothing else may lie under the prefix.
+* **deep**: also streams every object the manifest lists (``max_in_flight`` objects at
+  once, ``part_size`` bytes at a time each, so memory stays at most
+  ``max_in_flight x part_size``) and compares its CRC-32C with the manifest's.
+
+A checkpoint written by Megatron-Core or PyTorch (``metadata.json`` but no claim and no
+manifest: *foreign*) has nothing to compare against; only its commit state is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cloudckpt.commit import CommitState
+from cloudckpt.config import CheckpointConfig
+from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig
+from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestEntry, ManifestError
+from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
+
+__all__ = ["PROBLEM_KINDS", "ConsistencyReport", "Problem", "verify"]
+
+logger = logging.getLogger(__name__)
+
+PROBLEM_KINDS = (
+    "missing-metadata",  # metadata.json absent (uncommitted)
+    "missing-manifest",  # cloudckpt claim present but manifest.json absent (uncommitted)
+    "bad-manifest",  # manifest.json unparsable / wrong format
+    "metadata-mismatch",  # metadata.json differs from the manifest's backends (or is invalid)
+    "missing-object",  # listed in the manifest, not in the store
+    "size-mismatch",  # store size != manifest size
+    "checksum-mismatch",  # deep only: CRC-32C of the stored bytes != the manifest's
+    "orphan-object",  # under the prefix, not in the manifest (nor metadata/manifest.json)
+    "open-multipart-upload",  # a multipart upload under the prefix, never completed/aborted
+)
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One inconsistency.
+
+    Attributes:
+        kind: one of :data:`PROBLEM_KINDS`.
+        path: object path relative to the checkpoint root ("" when not about one object).
+        detail: human-readable explanation, e.g. ``"size 100, manifest 120"``.
+    """
+
+    kind: str
+    path: str
+    detail: str
+
+    def to_dict(self) -> dict[str, str]:
+        """``{"kind", "path", "detail"}``."""
+        return {"kind": self.kind, "path": self.path, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class ConsistencyReport:
+    """What :func:`verify` found.
+
+    Attributes:
+        uri: the checkpoint URI (secrets redacted).
+        committed: ``metadata.json`` exists and, for a cloudckpt checkpoint, ``manifest.json``.
+        foreign: written by Megatron-Core or PyTorch (no claim, no manifest): only the
+            commit state was checked.
+        deep: whether the objects' CRC-32Cs were checked.
+        problems: every inconsistency found (empty for a good checkpoint).
+        objects: objects listed in the manifest (0 without one).
+        total_bytes: their total size per the manifest, in bytes.
+        checked_bytes: bytes read and checksummed (0 when shallow).
+    """
+
+    uri: str
+    committed: bool
+    foreign: bool
+    deep: bool
+    problems: tuple[Problem, ...]
+    objects: int
+    total_bytes: int
+    checked_bytes: int
+
+    @property
+    def ok(self) -> bool:
+        """Committed and without problems."""
+        return self.committed and not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field, plus ``"ok"``; problems as dicts."""
+        doc = asdict(self)
+        doc["problems"] = [p.to_dict() for p in self.problems]
+        doc["ok"] = self.ok
+        return doc
+
+
+def verify(
+    uri: str,
+    deep: bool = False,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+    progress: ProgressFn | None = None,
+) -> ConsistencyReport:
+    """Check a checkpoint against its manifest.
+
+    Args:
+        uri: checkpoint URI or local path.
+        deep: also read every object and compare its CRC-32C with the manifest's.
+        storage_options: fsspec options (credentials, endpoint); override the config's.
+        config: part size (bytes per read) and ``max_in_flight`` (objects read at once).
+        progress: called with a number of bytes as deep checksumming advances (from
+            worker threads, one call at a time).
+
+    Returns:
+        The report; ``report.ok`` is True for a committed checkpoint without problems.
+
+    Raises:
+        CheckpointNotFoundError: nothing at all is stored at ``uri``.
+        StorageError: the store could not be listed or read.
+    """
+    storage = open_checkpoint(uri, storage_options=storage_options, config=config)
+    listing = storage.list_sizes()
+    uploads = storage.open_uploads()
+    if not listing and not uploads:
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.uri!r}")
+    state = CommitState(  # existence from the listing: no request per commit file
+        metadata=CONFIG_FNAME in listing,
+        manifest=MANIFEST_FNAME in listing,
+        claim=CLAIM_FNAME in listing,
+    )
+    backends, problems = _read_backends(storage, state)
+    manifest, manifest_problems = _read_manifest(storage, state)
+    problems = _commit_problems(state) + _upload_problems(uploads) + problems + manifest_problems
+    checked = 0
+    if manifest is not None:
+        problems += _backend_problems(manifest, backends) + _listing_problems(manifest, listing)
+        if deep:
+            intact = [e for e in manifest.objects if listing.get(e.path) == e.size]
+            crc_problems, checked = _checksum_problems(storage, intact, progress)
+            problems += crc_problems
+    report = ConsistencyReport(
+        uri=storage.uri,
+        committed=state.committed,
+        foreign=state.foreign,
+        deep=deep,
+        problems=tuple(problems),
+        objects=len(manifest.objects) if manifest is not None else 0,
+        total_bytes=manifest.total_size if manifest is not None else 0,
+        checked_bytes=checked,
+    )
+    _log_report(report)
+    return report
+
+
+def _commit_problems(state: CommitState) -> list[Problem]:
+    problems = []
+    if not state.metadata:
+        problems.append(
+            Problem("missing-metadata", CONFIG_FNAME, f"{CONFIG_FNAME} is missing: uncommitted")
+        )
+    if state.claim and not state.manifest:
+        problems.append(
+            Problem(
+                "missing-manifest",
+                MANIFEST_FNAME,
+                f"{CLAIM_FNAME} exists but {MANIFEST_FNAME} does not: uncommitted",
+            )
+        )
+    return problems
+
+
+def _upload_problems(uploads: Sequence[OpenUpload]) -> list[Problem]:
+    return [
+        Problem(
+            "open-multipart-upload",
+            u.path,
+            f"multipart upload {u.upload_id} started {u.initiated or 'at an unknown time'} "
+            "was never completed or aborted",
+        )
+        for u in sorted(uploads, key=lambda u: (u.path, u.upload_id))
+    ]
+
+
+def _read_backends(
+    storage: CheckpointStorage, state: CommitState
+) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """``metadata.json`` as a dict (None when absent or invalid), and its problem if invalid."""
+    if not state.metadata:
+        return None, []
+    raw = storage.read(CONFIG_FNAME)
+    try:
+        return asdict(CheckpointingConfig.from_json(raw, storage.child_uri(CONFIG_FNAME))), []
+    except CheckpointingException as exc:  # not JSON, or not Megatron-Core's four keys
+        return None, [Problem("metadata-mismatch", CONFIG_FNAME, str(exc))]
+
+
+def _read_manifest(
+    storage: CheckpointStorage, state: CommitState
+) -> tuple[Manifest | None, list[Problem]]:
+    if not state.manifest:
+        return None, []
+    where = storage.child_uri(MANIFEST_FNAME)
+    try:
+        return Manifest.from_json(storage.read(MANIFEST_FNAME), where), []
+    except ManifestError as exc:
+        return None, [Problem("bad-manifest", MANIFEST_FNAME, str(exc))]
+
+
+def _backend_problems(manifest: Manifest, backends: Mapping[str, Any] | None) -> list[Problem]:
+    recorded = dict(manifest.backends)
+    if backends is None or backends == recorded:
+        return []
+    detail = (
+        f"{CONFIG_FNAME} says {json.dumps(backends, sort_keys=True)}, "
+        f"{MANIFEST_FNAME} recorded {json.dumps(recorded, sort_keys=True)}"
+    )
+    return [Problem("metadata-mismatch", CONFIG_FNAME, detail)]
+
+
+def _listing_problems(manifest: Manifest, listing: Mapping[str, int]) -> list[Problem]:
+    """Missing, resized and orphan objects, by path."""
+    expected = manifest.by_path()
+    problems = []
+    for path, entry in expected.items():
+        size = listing.get(path)
+        if size is None:
+            problems.append(Problem("missing-object", path, f"listed in {MANIFEST_FNAME}"))
+        elif size != entry.size:
+            problems.append(Problem("size-mismatch", path, f"size {size}, manifest {entry.size}"))
+    commit_files = (CONFIG_FNAME, MANIFEST_FNAME)
+    problems += [
+        Problem("orphan-object", path, f"{size} bytes, not listed in {MANIFEST_FNAME}")
+        for path, size in listing.items()
+        if path not in expected and path not in commit_files
+    ]
+    return sorted(problems, key=lambda p: (p.path, p.kind))
+
+
+def _checksum_problems(
+    storage: CheckpointStorage, entries: Sequence[ManifestEntry], progress: ProgressFn | None
+) -> tuple[list[Problem], int]:
+    """Stream each entry, ``max_in_flight`` at once; -> (problems, bytes checksummed)."""
+    lock = threading.Lock()
+    started = time.perf_counter()
+
+    def check(entry: ManifestEntry) -> tuple[Problem | None, int]:
+        try:
+            result = storage.checksum(entry.path, entry.size)
+        except CheckpointNotFoundError:
+            return Problem("missing-object", entry.path, "deleted while being verified"), 0
+        if progress is not None:
+            with lock:
+                progress(result.size)
+        if result.size != entry.size:
+            detail = f"read {result.size} bytes, manifest {entry.size}"
+            return Problem("size-mismatch", entry.path, detail), result.size
+        if result.crc32c != entry.crc32c:
+            detail = f"CRC-32C {result.crc32c:#010x}, manifest {entry.crc32c:#010x}"
+            return Problem("checksum-mismatch", entry.path, detail), result.size
+        return None, result.size
+
+    found = storage.map(check, entries)
+    checked = sum(nbytes for _, nbytes in found)
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    logger.info(
+        "checksummed %d objects, %.1f MB in %.1f s (%.1f MB/s) at %s",
+        len(entries),
+        checked / 1e6,
+        elapsed,
+        checked / 1e6 / elapsed,
+        storage.uri,
+    )
+    return [p for p, _ in found if p is not None], checked
+
+
+def _log_report(report: ConsistencyReport) -> None:
+    if report.ok:
+        logger.info(
+            "%s is consistent (%s): %d objects, %.1f MB",
+            report.uri,
+            "deep" if report.deep else "shallow",
+            report.objects,
+            report.total_bytes / 1e6,
+        )
+        return
+    logger.warning(
+        "%s: %s, %d problem(s)%s",
+        report.uri,
+        "committed" if report.committed else "NOT committed",
+        len(report.problems),
+        "".join(f"; {p.kind} {p.path}: {p.detail}" for p in report.problems[:5]),
+    )

@@ -1,0 +1,425 @@
+"""The checkpoints of a training run: list them, find the latest, remove old ones.
+
+A run writes its checkpoints side by side under one parent prefix (``.../run/iter_0001000``,
+``.../run/iter_0002000``). A child prefix is a checkpoint when it holds ``metadata.json``,
+``manifest.json`` or cloudckpt's claim; it is *committed* when the commit protocol finished
+(:mod:`cloudckpt.commit`), so :func:`latest` advances only once a save has committed.
+
+**Age of an uncommitted checkpoint.** A save in progress is uncommitted too, so
+:func:`collect_garbage` removes an uncommitted checkpoint only when its newest sign of
+activity is older than ``grace_s``. The storage listing has no modification times, so the
+signs are the claim's time (the start of the save), the manifest's time and the start of
+any multipart upload open under it; with none of them it counts as old. ``grace_s`` must
+therefore exceed the longest save of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from cloudckpt.commit import read_commit_state
+from cloudckpt.config import CheckpointConfig
+from cloudckpt.core import CONFIG_FNAME
+from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestError
+from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
+
+__all__ = [
+    "CheckpointInfo",
+    "GcAction",
+    "GcReport",
+    "collect_garbage",
+    "latest",
+    "list_checkpoints",
+    "remove_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int], None]
+
+REASON_UNCOMMITTED = "uncommitted"
+REASON_STALE_UPLOAD = "stale multipart upload"
+COMMIT_FILES = (CONFIG_FNAME, MANIFEST_FNAME, CLAIM_FNAME)
+_TRAILING_INT = re.compile(r"(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint under a parent prefix.
+
+    Attributes:
+        uri: ``parent_uri.rstrip("/") + "/" + name``.
+        name: the child prefix's name, e.g. ``"iter_0001000"``.
+        iteration: the name's trailing integer (``iter_0001000`` -> 1000), else None.
+        committed: the commit protocol finished (see :class:`~cloudckpt.commit.CommitState`).
+        foreign: written by Megatron-Core or PyTorch (``metadata.json`` only).
+        size: bytes of the objects the manifest lists (None without a manifest).
+        created: the manifest's commit time, ISO 8601 UTC ("" without one).
+        world_size: ranks of the job that wrote it, per the manifest (None without one).
+    """
+
+    uri: str
+    name: str
+    iteration: int | None
+    committed: bool
+    foreign: bool
+    size: int | None
+    created: str
+    world_size: int | None
+
+
+def _child_uri(parent_uri: str, name: str) -> str:
+    return parent_uri.rstrip("/") + "/" + name
+
+
+def _child(parent: CheckpointStorage, parent_uri: str, name: str) -> CheckpointStorage:
+    """The storage of a child prefix, on the parent's filesystem instance (one client)."""
+    return open_checkpoint(_child_uri(parent_uri, name), fs=parent.fs, config=parent.config)
+
+
+def _iteration(name: str) -> int | None:
+    match = _TRAILING_INT.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _read_info(parent: CheckpointStorage, parent_uri: str, name: str) -> CheckpointInfo | None:
+    child = _child(parent, parent_uri, name)
+    state = read_commit_state(child)
+    if not (state.metadata or state.manifest or state.claim):
+        return None
+    manifest = None
+    if state.manifest:
+        try:
+            manifest = Manifest.from_json(
+                child.read(MANIFEST_FNAME), child.child_uri(MANIFEST_FNAME)
+            )
+        except (ManifestError, CheckpointNotFoundError) as exc:
+            logger.warning("%s: %s", child.uri, exc)
+    return CheckpointInfo(
+        uri=_child_uri(parent_uri, name),
+        name=name,
+        iteration=_iteration(name),
+        committed=state.committed,
+        foreign=state.foreign,
+        size=manifest.total_size if manifest is not None else None,
+        created=manifest.created if manifest is not None else "",
+        world_size=manifest.world_size if manifest is not None else None,
+    )
+
+
+def _list(parent: CheckpointStorage, parent_uri: str) -> list[CheckpointInfo]:
+    names = parent.list_children()
+    found = parent.map(lambda name: _read_info(parent, parent_uri, name), names)
+    infos = [info for info in found if info is not None]
+    return sorted(infos, key=lambda i: (i.iteration is None, i.iteration or 0, i.name))
+
+
+def list_checkpoints(
+    parent_uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+) -> list[CheckpointInfo]:
+    """Every checkpoint directly under ``parent_uri``, committed or not.
+
+    A child prefix counts when it holds ``metadata.json``, ``manifest.json`` or
+    ``.cloudckpt-claim.json``; other prefixes are skipped. Sorted by iteration (names
+    without one last), then name.
+    """
+    parent = open_checkpoint(parent_uri, storage_options=storage_options, config=config)
+    return _list(parent, parent_uri)
+
+
+def _newest_first(infos: Sequence[CheckpointInfo]) -> list[CheckpointInfo]:
+    """Committed checkpoints, newest first: highest iteration, then newest, then name."""
+    committed = [i for i in infos if i.committed]
+    return sorted(
+        committed,
+        key=lambda i: (i.iteration is not None, i.iteration or 0, i.created, i.name),
+        reverse=True,
+    )
+
+
+def latest(
+    parent_uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+) -> str | None:
+    """URI of the committed checkpoint with the highest iteration (then the newest commit
+    time, then the greatest name) under ``parent_uri``, or None. Uncommitted checkpoints
+    (a save running or failed) never count: the answer advances only after a commit."""
+    infos = list_checkpoints(parent_uri, storage_options=storage_options, config=config)
+    ordered = _newest_first(infos)
+    return ordered[0].uri if ordered else None
+
+
+# -- removal -----------------------------------------------------------------------------
+
+
+def remove_checkpoint(
+    uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+    progress: ProgressFn | None = None,
+) -> int:
+    """Delete a checkpoint and abort the multipart uploads open under it; -> objects deleted.
+
+    ``metadata.json`` goes first and ``manifest.json`` second, so a removal cut short
+    leaves a visibly uncommitted checkpoint (``load`` refuses it); the claim goes last,
+    so the remains are still listed as a checkpoint and a second call (or
+    :func:`collect_garbage`) finishes the job. ``progress(1)`` follows each delete.
+
+    Raises:
+        CheckpointNotFoundError: nothing is stored at ``uri``.
+        CheckpointingException: ``uri`` holds objects but no ``metadata.json``,
+            ``manifest.json`` or claim: not a checkpoint (a parent prefix?); nothing deleted.
+        StorageError: a delete failed (naming the object).
+    """
+    storage = open_checkpoint(uri, storage_options=storage_options, config=config)
+    return _remove(storage, uri, progress)
+
+
+def _remove(storage: CheckpointStorage, raw_uri: str, progress: ProgressFn | None) -> int:
+    listing = storage.list()
+    uploads = storage.open_uploads()
+    if not listing and not uploads:
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.uri!r}")
+    if listing and not any(name in listing for name in COMMIT_FILES):
+        raise CheckpointingException(
+            f"refusing to remove {storage.uri!r}: it holds {len(listing)} objects but no "
+            f"{', '.join(COMMIT_FILES)}, so it is not a checkpoint (a parent prefix?)"
+        )
+    counter = _Counter(progress)
+    for name in (CONFIG_FNAME, MANIFEST_FNAME):  # uncommit first
+        if name in listing:
+            storage.delete(name)
+            counter.add()
+    for upload in uploads:
+        storage.abort_upload(upload)
+    data = [path for path in listing if path not in COMMIT_FILES]
+
+    def delete(path: str) -> None:
+        storage.delete(path)
+        counter.add()
+
+    storage.map(delete, data)
+    if CLAIM_FNAME in listing:
+        storage.delete(CLAIM_FNAME)
+        counter.add()
+    _remove_empty_prefix(storage, raw_uri)
+    logger.info(
+        "removed %s: %d objects deleted, %d multipart uploads aborted",
+        storage.uri,
+        counter.count,
+        len(uploads),
+    )
+    return counter.count
+
+
+class _Counter:
+    """Counts deletions and reports each to ``progress`` (thread-safe)."""
+
+    def __init__(self, progress: ProgressFn | None) -> None:
+        self.count = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+            if self._progress is not None:
+                self._progress(1)
+
+
+def _remove_empty_prefix(storage: CheckpointStorage, raw_uri: str) -> None:
+    """Remove the directories a local (or memory://) checkpoint leaves once its objects
+    are gone; object stores have none. Only when no object remains below the prefix."""
+    parent_uri, _, name = raw_uri.rstrip("/").rpartition("/")
+    if not parent_uri or not name or parent_uri.endswith(":/"):
+        return
+    parent = open_checkpoint(parent_uri, fs=storage.fs, config=storage.config)
+    if parent.full_path(name) != storage.root or parent.list(name):
+        return
+    parent.delete(name, recursive=True)
+
+
+# -- garbage collection -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GcAction:
+    """One thing :func:`collect_garbage` did (or, in a dry run, would do): ``uri`` is the
+    checkpoint removed or the object whose upload was aborted; ``reason`` is
+    ``"uncommitted"``, ``"older than the newest N"`` (N: ``keep_last``) or
+    ``"stale multipart upload"``; ``detail`` gives iteration, size, age or upload id."""
+
+    uri: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What :func:`collect_garbage` kept (checkpoint URIs) and did (or, with ``dry_run``,
+    would do)."""
+
+    parent_uri: str
+    dry_run: bool
+    kept: tuple[str, ...]
+    actions: tuple[GcAction, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (actions as dicts)."""
+        doc = asdict(self)
+        return {**doc, "kept": list(self.kept), "actions": list(doc["actions"])}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    kept: tuple[str, ...]
+    removals: tuple[tuple[GcAction, CheckpointInfo], ...]
+    aborts: tuple[tuple[GcAction, OpenUpload], ...]
+
+
+def collect_garbage(
+    parent_uri: str,
+    keep_last: int,
+    *,
+    grace_s: float = 3600.0,
+    dry_run: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+    progress: ProgressFn | None = None,
+) -> GcReport:
+    """Keep the newest ``keep_last`` committed checkpoints under ``parent_uri``; remove
+    the older committed ones and the uncommitted ones idle for ``grace_s`` seconds;
+    abort multipart uploads under ``parent_uri`` started more than ``grace_s`` ago.
+
+    Args:
+        keep_last: committed checkpoints to keep (>= 1), newest by :func:`latest`'s order.
+        grace_s: an uncommitted checkpoint (its save may still run: see the module
+            docstring) or an open upload younger than this is left alone; so are the
+            uploads under a young uncommitted checkpoint.
+        dry_run: only report what would be done.
+        progress: called with 1 for each object deleted.
+
+    Raises:
+        ValueError: ``keep_last`` < 1.
+        StorageError: a listing, delete or abort failed.
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    parent = open_checkpoint(parent_uri, storage_options=storage_options, config=config)
+    plan = _plan(parent, parent_uri, keep_last, grace_s, time.time())
+    if not dry_run:
+        for _, info in plan.removals:
+            _remove(_child(parent, parent_uri, info.name), info.uri, progress)
+        for _, upload in plan.aborts:
+            parent.abort_upload(upload)
+    actions = tuple(a for a, _ in plan.removals) + tuple(a for a, _ in plan.aborts)
+    logger.info(
+        "gc of %s%s: kept %d checkpoints, %d actions",
+        parent.uri,
+        " (dry run)" if dry_run else "",
+        len(plan.kept),
+        len(actions),
+    )
+    return GcReport(parent_uri, dry_run, plan.kept, actions)
+
+
+def _plan(
+    parent: CheckpointStorage, parent_uri: str, keep_last: int, grace_s: float, now: float
+) -> _Plan:
+    infos = _list(parent, parent_uri)
+    uploads = parent.open_uploads()
+    ordered = _newest_first(infos)
+    keep = {i.name for i in ordered[:keep_last]}
+    reason_old = f"older than the newest {keep_last}"
+    removals = [
+        (GcAction(i.uri, reason_old, _describe(i)), i) for i in reversed(ordered[keep_last:])
+    ]
+    young: set[str] = set()  # uncommitted, maybe still being saved
+    for info in infos:
+        if info.committed:
+            continue
+        age = now - _last_activity(parent, parent_uri, info, uploads)
+        if age < grace_s:
+            young.add(info.name)
+            continue
+        detail = f"{_describe(info)}; last activity {_format_age(age)} ago"
+        removals.append((GcAction(info.uri, REASON_UNCOMMITTED, detail), info))
+    # uploads of removed checkpoints go with them; a young checkpoint's are its save's
+    spared = young | {info.name for _, info in removals}
+    aborts = [
+        (_abort_action(parent_uri, u, now), u)
+        for u in uploads
+        if u.path.split("/", 1)[0] not in spared and now - _timestamp(u.initiated) >= grace_s
+    ]
+    keep |= young
+    kept = tuple(i.uri for i in infos if i.name in keep)
+    return _Plan(kept, tuple(removals), tuple(aborts))
+
+
+def _describe(info: CheckpointInfo) -> str:
+    parts = [] if info.iteration is None else [f"iteration {info.iteration}"]
+    if info.size is not None:
+        parts.append(f"{info.size} bytes")
+    if info.created:
+        parts.append(f"committed {info.created}" if info.committed else f"manifest {info.created}")
+    return ", ".join(parts) or info.name
+
+
+def _abort_action(parent_uri: str, upload: OpenUpload, now: float) -> GcAction:
+    started = upload.initiated or "at an unknown time"
+    age = now - _timestamp(upload.initiated)
+    detail = f"upload {upload.upload_id} started {started} ({_format_age(age)} ago)"
+    return GcAction(_child_uri(parent_uri, upload.path), REASON_STALE_UPLOAD, detail)
+
+
+def _last_activity(
+    parent: CheckpointStorage, parent_uri: str, info: CheckpointInfo, uploads: Sequence[OpenUpload]
+) -> float:
+    """POSIX time of the newest sign of activity of an uncommitted checkpoint
+    (claim, manifest, open uploads); -inf when none is known."""
+    times = [_timestamp(info.created), _claim_time(_child(parent, parent_uri, info.name))]
+    times += [_timestamp(u.initiated) for u in uploads if u.path.startswith(info.name + "/")]
+    return max(times)
+
+
+def _claim_time(storage: CheckpointStorage) -> float:
+    try:
+        doc = json.loads(storage.read(CLAIM_FNAME))
+    except CheckpointNotFoundError:
+        return float("-inf")
+    except ValueError as exc:
+        logger.warning("%s: unreadable claim: %s", storage.child_uri(CLAIM_FNAME), exc)
+        return float("-inf")
+    return _timestamp(str(doc.get("claimed", ""))) if isinstance(doc, dict) else float("-inf")
+
+
+def _timestamp(iso: str) -> float:
+    """POSIX time of an ISO 8601 string (naive means UTC); -inf when empty or invalid."""
+    try:
+        parsed = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return float("-inf")
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
+
+
+def _format_age(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "an unknown time"
+    return f"{seconds:.0f} s" if seconds < 7200 else f"{seconds / 3600:.1f} h"
