@@ -1,15 +1,27 @@
 """The ``cloudckpt`` command line.
 
+``ls PARENT_URI`` (checkpoints: committed?, size, time), ``inspect URI`` (tensors, common
+keys, writer), ``verify URI [--deep]`` (exit 0 ok, 1 inconsistent, 2 error), ``gc
+PARENT_URI --keep-last N [--dry-run]`` (old and uncommitted checkpoints, stale multipart
+uploads), ``rm URI`` and ``demo`` (train, save, reload resharded on CPU ranks).
+
+The storage subcommands take ``--config YAML`` (a training config: storage options, part
+size, in-flight requests) and repeatable ``--storage-option KEY=VALUE`` (VALUE parsed as
+JSON when it is JSON); credentials otherwise come from the environment. Tables by
+default, ``--json`` for machines, progress bars on stderr when it is a terminal. Nothing
+printed carries a secret: URIs are redacted, storage options never echoed.
+
 Each subcommand is one ``_add_<name>`` function that registers its parser and sets
 ``handler`` to a ``(argparse.Namespace) -> int`` function; adding a subcommand means
 adding that function to :data:`_SUBCOMMANDS`. Handlers return the exit status; a
-:class:`~cloudckpt.errors.CheckpointingException` escaping a handler is printed
-without a traceback and exits with status 1.
+:class:`~cloudckpt.errors.CheckpointingException` or ``OSError`` escaping a handler is
+printed without a traceback and exits with status 1, a :class:`UsageError` with 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -17,12 +29,31 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cloudckpt import checker, tracker
+from cloudckpt.cli_format import (
+    describe,
+    dump_json,
+    gc_lines,
+    inspect_lines,
+    ls_lines,
+    ls_records,
+    manifest_size,
+    plural,
+    progress_bar,
+    verify_lines,
+)
+from cloudckpt.config import CheckpointConfig, ConfigError, from_yaml, redact_uri
 from cloudckpt.errors import CheckpointingException
 
 Handler = Callable[[argparse.Namespace], int]
 Subparsers = Any  # argparse._SubParsersAction is private
 
 DEFAULT_DEMO_DIR = "./cloudckpt-demo"
+DEFAULT_GRACE_S = 3600.0
+
+
+class UsageError(Exception):
+    """Bad arguments found after parsing (e.g. an unreadable --config): exit status 2."""
 
 
 def _default_uri(steps: int) -> str:
@@ -114,7 +145,294 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (_add_demo,)
+# -- options shared by the storage subcommands ---------------------------------------------
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (KEY, VALUE parsed as JSON, else the string). The value never
+    appears in an error message: it may be a secret."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(
+            "expected KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000"
+        )
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def _add_store_options(
+    parser: argparse.ArgumentParser, with_json: bool = True, with_progress: bool = False
+) -> None:
+    add = parser.add_argument
+    add(
+        "--config",
+        metavar="YAML",
+        help="a training config whose 'cloudckpt' section (or the whole file) sets "
+        "storage_options, part_size and max_in_flight",
+    )
+    add(
+        "--storage-option",
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        action="append",
+        default=[],
+        dest="storage_options",
+        help="an fsspec storage option (repeatable; VALUE is parsed as JSON when it is JSON, "
+        'e.g. endpoint_url=http://127.0.0.1:9000 or client_kwargs=\'{"region_name": '
+        '"eu-west-1"}\'); overrides --config and the environment',
+    )
+    if with_json:
+        add("--json", action="store_true", help="print JSON instead of a table")
+    if with_progress:
+        add(
+            "--progress",
+            action=argparse.BooleanOptionalAction,
+            help="show a progress bar on stderr (default: when stderr is a terminal)",
+        )
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    if args.progress is not None:
+        return bool(args.progress)
+    return sys.stderr.isatty()
+
+
+def _library_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``storage_options`` and ``config`` for the library calls, from --storage-option
+    and --config.
+
+    Raises:
+        UsageError: the config file cannot be read or is invalid.
+    """
+    config: CheckpointConfig | None = None
+    if args.config:
+        try:
+            config = from_yaml(args.config)
+        except OSError as exc:
+            raise UsageError(f"cannot read --config: {exc}") from exc
+        except ConfigError as exc:
+            raise UsageError(f"invalid --config: {exc}") from exc
+    options = dict(args.storage_options) or None
+    return {"storage_options": options, "config": config}
+
+
+def _at_least(cast: Callable[[str], float], low: float, what: str) -> Callable[[str], Any]:
+    """An argparse type: ``cast(text)``, which must be >= ``low`` (NaN is refused)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= low:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _print_error(args: argparse.Namespace, exc: BaseException) -> None:
+    print(f"cloudckpt {args.command}: error: {redact_uri(str(exc))}", file=sys.stderr)
+
+
+# -- ls --------------------------------------------------------------------------------------
+
+
+def _add_ls(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "ls",
+        help="list the checkpoints under a prefix",
+        description="List every checkpoint directly under PARENT_URI (e.g. s3://bucket/run, "
+        "holding iter_0001000, iter_0002000, ...): name, iteration, state (committed, "
+        "uncommitted, or foreign: committed by Megatron-Core or PyTorch without a manifest), "
+        "size, commit time and writer world size.",
+    )
+    parser.add_argument("parent_uri", metavar="PARENT_URI", help="prefix holding checkpoints")
+    _add_store_options(parser)
+    parser.set_defaults(handler=_cmd_ls)
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    infos = tracker.list_checkpoints(args.parent_uri, **_library_kwargs(args))
+    if args.json:
+        print(dump_json(ls_records(infos)))
+    else:
+        print("\n".join(ls_lines(args.parent_uri, infos)))
+    return 0
+
+
+# -- inspect ---------------------------------------------------------------------------------
+
+
+def _add_inspect(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="show a checkpoint's tensors, common keys and writer",
+        description="Show a committed checkpoint: backends, writer world size, commit time, "
+        "object count and size, every tensor (key, global shape, dtype, chunk shape) and the "
+        "common-state keys. A cloudckpt checkpoint is described by its manifest alone; one "
+        "written by Megatron-Core or PyTorch (no manifest) by its tensor metadata and common "
+        "state. An uncommitted checkpoint is an error (exit 1).",
+    )
+    parser.add_argument("uri", metavar="URI", help="checkpoint URI or local path")
+    _add_store_options(parser)
+    parser.set_defaults(handler=_cmd_inspect)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    description = describe(args.uri, **_library_kwargs(args))
+    if args.json:
+        print(dump_json(description.to_dict()))
+    else:
+        print("\n".join(inspect_lines(description)))
+    return 0
+
+
+# -- verify ----------------------------------------------------------------------------------
+
+
+def _add_verify(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "verify",
+        help="check a checkpoint against its manifest",
+        description="Check that a checkpoint is committed and consistent with its manifest: "
+        "every listed object present with its size, no orphan objects, no open multipart "
+        "uploads; with --deep also the CRC-32C of every object's bytes. Exit status: 0 "
+        "consistent, 1 inconsistent (uncommitted or problems found), 2 error (nothing at the "
+        "URI, storage failure, bad arguments).",
+    )
+    parser.add_argument("uri", metavar="URI", help="checkpoint URI or local path")
+    parser.add_argument(
+        "--deep", action="store_true", help="read every object back and compare its CRC-32C"
+    )
+    _add_store_options(parser, with_progress=True)
+    parser.set_defaults(handler=_cmd_verify)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    if not args.verbose:  # the report printed says what the checker would warn about
+        logging.getLogger(checker.__name__).setLevel(logging.ERROR)
+    try:
+        kwargs = _library_kwargs(args)
+        show = args.deep and _show_progress(args)
+        total = manifest_size(args.uri, **kwargs) if show else None
+        with progress_bar(show, "verify", "B", total) as progress:
+            report = checker.verify(args.uri, args.deep, progress=progress, **kwargs)
+    except (CheckpointingException, UsageError, OSError, ValueError) as exc:
+        _print_error(args, exc)
+        if args.json:
+            print(dump_json({"uri": args.uri, "ok": False, "error": str(exc)}))
+        return 2
+    print(dump_json(report.to_dict()) if args.json else "\n".join(verify_lines(report)))
+    return 0 if report.ok else 1
+
+
+# -- gc --------------------------------------------------------------------------------------
+
+
+def _add_gc(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "gc",
+        help="remove old and uncommitted checkpoints, abort stale multipart uploads",
+        description="Keep the newest N committed checkpoints under PARENT_URI (by iteration) "
+        "and remove the older ones; remove uncommitted checkpoints and abort multipart "
+        "uploads older than the grace period (a save still running is uncommitted too).",
+    )
+    parser.add_argument("parent_uri", metavar="PARENT_URI", help="prefix holding checkpoints")
+    parser.add_argument(
+        "--keep-last",
+        metavar="N",
+        type=_at_least(int, 1, "an integer >= 1"),
+        required=True,
+        help="committed checkpoints to keep (>= 1)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="only print what would be removed or aborted"
+    )
+    parser.add_argument(
+        "--grace",
+        metavar="SECONDS",
+        type=_at_least(float, 0.0, "a number of seconds >= 0"),
+        default=DEFAULT_GRACE_S,
+        help="leave uncommitted checkpoints and multipart uploads younger than this alone "
+        f"(default {DEFAULT_GRACE_S:.0f})",
+    )
+    _add_store_options(parser, with_progress=True)
+    parser.set_defaults(handler=_cmd_gc)
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    try:
+        kwargs = _library_kwargs(args)
+        show = not args.dry_run and _show_progress(args)
+        with progress_bar(show, "gc: deleted", " objects") as progress:
+            report = tracker.collect_garbage(
+                args.parent_uri,
+                args.keep_last,
+                grace_s=args.grace,
+                dry_run=args.dry_run,
+                progress=progress,
+                **kwargs,
+            )
+    except (CheckpointingException, UsageError, OSError, ValueError) as exc:
+        _print_error(args, exc)
+        return 2
+    print(dump_json(report.to_dict()) if args.json else "\n".join(gc_lines(report, args.keep_last)))
+    return 0
+
+
+# -- rm --------------------------------------------------------------------------------------
+
+
+def _add_rm(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "rm",
+        help="remove one checkpoint",
+        description="Remove the checkpoint at URI: metadata.json first, then manifest.json "
+        "(so a partly removed checkpoint reads as uncommitted), then every other object, and "
+        "abort its open multipart uploads. Asks for confirmation on a terminal; elsewhere "
+        "--yes is required (exit 2 without it).",
+    )
+    parser.add_argument("uri", metavar="URI", help="checkpoint URI or local path")
+    parser.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    _add_store_options(parser, with_json=False, with_progress=True)
+    parser.set_defaults(handler=_cmd_rm)
+
+
+def _confirmed(uri: str) -> bool:
+    """Ask on the terminal; False without one."""
+    if not sys.stdin.isatty():
+        return False
+    sys.stderr.write(f"remove checkpoint {uri} and every object under it? [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    kwargs = _library_kwargs(args)
+    uri = redact_uri(args.uri)
+    if not args.yes and not _confirmed(uri):
+        why = "not confirmed" if sys.stdin.isatty() else "stdin is not a terminal"
+        print(f"cloudckpt rm: refusing to remove {uri} without --yes ({why})", file=sys.stderr)
+        return 2
+    with progress_bar(_show_progress(args), "rm: deleted", " objects") as progress:
+        count = tracker.remove_checkpoint(args.uri, progress=progress, **kwargs)
+    print(f"removed {plural(count, 'object')} from {uri}")
+    return 0
+
+
+_SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
+    _add_ls,
+    _add_inspect,
+    _add_verify,
+    _add_gc,
+    _add_rm,
+    _add_demo,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 on success, 1 when the command failed, 2 on bad usage.
+        The exit status: 0 on success, 1 when the command failed, 2 on bad usage
+        (``verify``: 1 inconsistent, 2 error).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -148,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except CheckpointingException as exc:
-        print(f"cloudckpt {args.command}: error: {exc}", file=sys.stderr)
+    except UsageError as exc:
+        _print_error(args, exc)
+        return 2
+    except (CheckpointingException, OSError) as exc:
+        _print_error(args, exc)
         return 1
+    except KeyboardInterrupt:
+        print(f"cloudckpt {args.command}: interrupted", file=sys.stderr)
+        return 130
