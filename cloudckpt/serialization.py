@@ -246,19 +246,28 @@ def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, in
 
 
 def _require_empty_destination(storage: CheckpointStorage) -> None:
-    error: CheckpointingException | None = None
-    if dist.get_rank() == 0 and not storage.is_empty():
-        if storage.exists(CLAIM_FNAME):
-            error = CommitConflictError(
-                f"checkpoint destination {storage.uri!r} is claimed by another save "
-                f"({CLAIM_FNAME} exists: {describe_claim(storage)}); choose a new URI"
-            )
-        else:
-            error = CheckpointingException(
-                f"checkpoint destination {storage.uri!r} is not empty; refusing to overwrite "
-                "(choose a new URI or remove the old checkpoint)"
-            )
+    error = _destination_error(storage) if dist.get_rank() == 0 else None
     dist.raise_if_any_rank_failed(error, "checking the checkpoint destination")
+
+
+def _destination_error(storage: CheckpointStorage) -> CheckpointingException | None:
+    if storage.is_empty():
+        return None
+    where = f"checkpoint destination {storage.uri!r} is not empty"
+    if read_commit_state(storage).committed:
+        return CommitConflictError(
+            f"{where}: it holds a committed checkpoint; refusing to overwrite (choose a new "
+            "URI or remove it with `cloudckpt rm`)"
+        )
+    if storage.exists(CLAIM_FNAME):
+        return CommitConflictError(
+            f"{where}: another save claimed it ({describe_claim(storage)}); it is still "
+            "running, or it failed and left an uncommitted checkpoint (`cloudckpt gc` "
+            "removes those)"
+        )
+    return CheckpointingException(
+        f"{where}; refusing to overwrite (choose a new URI or remove what is there)"
+    )
 
 
 def _load_strategies(

@@ -1,0 +1,318 @@
+"""The commit protocol: manifest, create-only writes, claim, load checks, two committers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import torch
+
+import cloudckpt
+from cloudckpt import commit as commit_mod
+from cloudckpt.core import CheckpointingConfig
+from cloudckpt.errors import (
+    CheckpointingException,
+    CommitConflictError,
+    CorruptObjectError,
+    ObjectExistsError,
+    UncommittedCheckpointError,
+)
+from cloudckpt.manifest import (
+    CLAIM_FNAME,
+    MANIFEST_FNAME,
+    Manifest,
+    ManifestEntry,
+    ManifestError,
+    TensorEntry,
+    common_key_paths,
+    merge_entries,
+)
+from cloudckpt.mapping import ShardedTensor
+from cloudckpt.storage import CheckpointStorage, WriteResult
+from tests.fixtures_object_stores import GS_CASE, S3Endpoint, StoreLocation
+
+# --- manifest ------------------------------------------------------------------------------
+
+
+def _manifest() -> Manifest:
+    return Manifest(
+        objects=(ManifestEntry("w/0", 8, 123), ManifestEntry("a/.zarray", 50, 7)),
+        tensors=(TensorEntry("w", (4, 2), "float32", (2, 2)), TensorEntry("b", (3,), "bfloat16")),
+        common_keys=("optimizer.lr", "iteration"),
+        world_size=4,
+        created="2026-11-21T00:00:00Z",
+        backends={"sharded_backend": "zarr", "sharded_backend_version": 1},
+    )
+
+
+def test_manifest_json_round_trip_is_canonical() -> None:
+    manifest = _manifest()
+    raw = manifest.to_json()
+    again = Manifest.from_json(raw)
+    assert again == manifest
+    assert again.to_json() == raw
+    assert [e.path for e in again.objects] == ["a/.zarray", "w/0"]
+    assert [t.key for t in again.tensors] == ["b", "w"]
+    assert again.tensors[0].chunks is None and again.tensors[1].chunks == (2, 2)
+    assert again.total_size == 58
+    assert again.digest() == manifest.digest() and len(manifest.digest()) == 64
+    assert json.loads(raw)["objects"] == [["a/.zarray", 50, 7], ["w/0", 8, 123]]
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"not json", "malformed"),
+        (b'{"format": "other"}', "not a cloudckpt manifest"),
+        (b'{"format": "cloudckpt-manifest", "version": 99}', "version 99"),
+        (b'{"format": "cloudckpt-manifest", "version": 1}', "malformed"),
+    ],
+)
+def test_bad_manifests_are_refused(raw: bytes, match: str) -> None:
+    with pytest.raises(ManifestError, match=match):
+        Manifest.from_json(raw, "s3://b/ckpt/manifest.json")
+
+
+def test_manifest_refuses_duplicate_paths_and_merge_refuses_two_writers() -> None:
+    with pytest.raises(ManifestError, match="more than once"):
+        Manifest(objects=(ManifestEntry("x", 1, 1), ManifestEntry("x", 1, 1)))
+    same = merge_entries([[ManifestEntry("x", 1, 1)], [ManifestEntry("x", 1, 1)]])
+    assert same == [ManifestEntry("x", 1, 1)]
+    with pytest.raises(ManifestError, match="written twice"):
+        merge_entries([[ManifestEntry("x", 1, 1)], [ManifestEntry("x", 1, 2)]])
+
+
+def test_common_key_paths_flattens_nested_dicts() -> None:
+    state = {"iteration": 3, "args": {"lr": 0.1, "sched": {"warmup": 5}}, "empty": {}}
+    assert sorted(common_key_paths(state)) == [
+        "args.lr",
+        "args.sched.warmup",
+        "empty",
+        "iteration",
+    ]
+
+
+# --- create-only writes ---------------------------------------------------------------------
+
+
+def test_exclusive_write_on_every_backend(checkpoint_uri: StoreLocation, request) -> None:
+    uri, options = checkpoint_uri
+    storage = CheckpointStorage(uri, storage_options=options)
+    first = storage.write("claim.json", b"first", exclusive=True)
+    assert first == WriteResult("claim.json", 5, cloudckpt.storage.crc32c(b"first"))
+    if request.node.callspec.params["checkpoint_uri"] == GS_CASE:
+        # The GCS emulator ignores ifGenerationMatch=0: cloudckpt says so, and the
+        # second write goes through (real GCS answers 412).
+        assert storage.enforces_exclusive_writes is False
+        storage.write("claim.json", b"second", exclusive=True)
+        assert storage.read("claim.json") == b"second"
+        return
+    assert storage.enforces_exclusive_writes is True
+    with pytest.raises(ObjectExistsError, match=r"claim\.json already exists"):
+        storage.write("claim.json", b"second", exclusive=True)
+    assert storage.read("claim.json") == b"first"
+
+
+def test_claim_warns_where_create_only_is_not_enforced(
+    gcs_bucket: StoreLocation, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri, options = gcs_bucket
+    caplog.set_level(logging.WARNING, logger="cloudckpt.commit")
+    storage = CheckpointStorage(f"{uri}/ckpt", storage_options=options)
+    commit_mod.claim(storage)
+    assert any("ignores create-only writes" in r.getMessage() for r in caplog.records)
+
+
+# --- save and load ----------------------------------------------------------------------------
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.randn(64, 32, generator=gen)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.randn(16, generator=gen)),
+        "iteration": seed,
+        "args": {"lr": 0.1},
+    }
+
+
+def _request() -> dict[str, Any]:
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 32)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.empty(16)),
+    }
+
+
+def test_save_writes_claim_manifest_and_metadata_last(
+    s3_server: S3Endpoint, s3_bucket: StoreLocation
+) -> None:
+    uri, options = s3_bucket
+    ckpt = f"{uri}/iter_0000001"
+    storage = CheckpointStorage(ckpt, storage_options=options)
+    puts: list[str] = []
+    calls: list[str] = []
+    storage.fs.connect()
+
+    def record(params: dict[str, Any], model: Any, **_: Any) -> None:
+        calls.append(model.name)
+        if model.name in ("PutObject", "CreateMultipartUpload"):
+            puts.append(params["Key"].rsplit("iter_0000001/", 1)[1])
+
+    storage.fs.s3.meta.events.register("before-parameter-build.s3", record)
+    cloudckpt.save(
+        _state(), ckpt, sharded_strategy=_zarr_with(storage), common_strategy=_common_with(storage)
+    )
+    assert puts[0] == CLAIM_FNAME
+    assert puts[-2:] == [MANIFEST_FNAME, "metadata.json"]
+    # the manifest comes from the ranks' write results: nothing is read back
+    assert "GetObject" not in calls, calls
+    manifest = commit_mod.read_manifest(storage)
+    assert manifest is not None
+    listed = storage.list_sizes()
+    assert {e.path: e.size for e in manifest.objects} == {
+        p: n for p, n in listed.items() if p not in (MANIFEST_FNAME, "metadata.json")
+    }
+    assert manifest.world_size == 1
+    assert manifest.common_keys == ("args.lr", "iteration")
+    assert {t.key: (t.global_shape, t.dtype, t.chunks) for t in manifest.tensors} == {
+        "w": ((64, 32), "float32", (64, 32)),
+        "b": ((16,), "float32", (16,)),
+    }
+    assert manifest.backends == {
+        "sharded_backend": "zarr",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
+    assert json.loads(storage.read("metadata.json")) == manifest.backends
+
+
+def _zarr_with(storage: CheckpointStorage) -> Any:
+    from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy  # noqa: PLC0415
+
+    return ZarrSaveShardedStrategy(fs=storage.fs)
+
+
+def _common_with(storage: CheckpointStorage) -> Any:
+    from cloudckpt.strategies.common import TorchCommonSaveStrategy  # noqa: PLC0415
+
+    return TorchCommonSaveStrategy(fs=storage.fs)
+
+
+@pytest.mark.parametrize("missing", [MANIFEST_FNAME, "metadata.json"])
+def test_load_refuses_uncommitted_naming_what_is_missing(tmp_path, missing: str) -> None:
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(_state(), uri)
+    CheckpointStorage(uri).delete(missing)
+    assert not cloudckpt.check_is_distributed_checkpoint(uri)
+    with pytest.raises(UncommittedCheckpointError, match=missing.replace(".", r"\.")):
+        cloudckpt.load(_request(), uri)
+
+
+def test_a_checkpoint_without_claim_or_manifest_is_foreign_and_loads(tmp_path) -> None:
+    """What Megatron-Core writes: metadata.json and data, no cloudckpt objects."""
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(_state(3), uri)
+    storage = CheckpointStorage(uri)
+    storage.delete(MANIFEST_FNAME)
+    storage.delete(CLAIM_FNAME)
+    state = commit_mod.read_commit_state(storage)
+    assert state.committed and state.foreign
+    loaded = cloudckpt.load(_request(), uri)
+    assert torch.equal(loaded["w"], _state(3)["w"].data)
+
+
+def _rewrite(storage: CheckpointStorage, path: str, change: str) -> None:
+    data = bytearray(storage.read(path))
+    if change == "truncate":
+        data = data[:-4]
+    else:
+        data[len(data) // 2] ^= 0x01
+    storage.write(path, bytes(data))
+
+
+@pytest.mark.parametrize("change", ["truncate", "flip"])
+def test_load_checks_objects_against_the_manifest(tmp_path, change: str) -> None:
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(_state(), uri)
+    _rewrite(CheckpointStorage(uri), "w/0.0", change)
+    with pytest.raises(CorruptObjectError, match=r"w/0\.0"):
+        cloudckpt.load(_request(), uri)
+
+
+def test_partial_reads_are_size_checked_and_crc_checked_on_request(tmp_path) -> None:
+    uri = str(tmp_path / "ckpt")
+    full = _state()
+    cloudckpt.save(full, uri)
+    storage = CheckpointStorage(uri)
+    data = bytearray(storage.read("w/0.0"))
+    data[-1] ^= 0x01  # corrupt the last row only
+    storage.write("w/0.0", bytes(data))
+    top_rows = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(32, 32), (0, 0, 2))}
+    # rows 0-31 only: the corrupt byte is not read
+    loaded = cloudckpt.load(top_rows, uri, validate_access_integrity=False)
+    assert torch.equal(loaded["w"], full["w"].data[:32])
+    with pytest.raises(CorruptObjectError, match="CRC-32C"):
+        cloudckpt.load(top_rows, uri, validate_access_integrity=False, verify_checksums=True)
+
+
+def test_second_commit_of_one_uri_is_a_conflict(tmp_path) -> None:
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    result = storage.write("x", b"data")
+    backends = CheckpointingConfig("zarr")
+    first = commit_mod.commit(storage, [result], backends)
+    assert first is not None and first.objects == (ManifestEntry("x", 4, result.crc32c),)
+    with pytest.raises(CommitConflictError, match="committed by another job"):
+        commit_mod.commit(storage, [result], backends)
+    assert commit_mod.read_manifest(storage) == first
+
+
+# --- two jobs, one URI --------------------------------------------------------------------------
+
+
+def _racing_save(uri: str, options: dict[str, Any], seed: int, start: Any, out: Any) -> None:
+    start.wait(timeout=60)
+    try:
+        cloudckpt.save(_state(seed), uri, storage_options=options)
+        out.put((seed, "ok", ""))
+    except CheckpointingException as exc:
+        out.put((seed, type(exc).__name__, str(exc)))
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_two_jobs_saving_one_uri_exactly_one_commits(
+    store: str, tmp_path, request: pytest.FixtureRequest
+) -> None:
+    if store == "s3":
+        bucket_uri, options = request.getfixturevalue("s3_bucket")
+        uri = f"{bucket_uri}/run/iter_0000001"
+    else:
+        uri, options = str(tmp_path / "ckpt"), {}
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    jobs = [ctx.Process(target=_racing_save, args=(uri, options, s, start, out)) for s in (1, 2)]
+    for job in jobs:
+        job.start()
+    start.set()
+    outcomes = sorted(out.get(timeout=120) for _ in jobs)
+    for job in jobs:
+        job.join(timeout=60)
+    winners = [seed for seed, status, _ in outcomes if status == "ok"]
+    losers = [(name, msg) for _, name, msg in outcomes if name != "ok"]
+    assert len(winners) == 1, outcomes
+    assert len(losers) == 1 and losers[0][0] == "CommitConflictError", outcomes
+    # which message depends on how far the winner got when the loser looked
+    assert any(
+        reason in losers[0][1]
+        for reason in ("another save claimed it", "another job", "holds a committed checkpoint")
+    ), losers
+    assert uri.split("://")[-1] in losers[0][1]
+    loaded = cloudckpt.load(_request(), uri, storage_options=options, verify_checksums=True)
+    assert torch.equal(loaded["w"], _state(winners[0])["w"].data)
+    from cloudckpt.checker import verify  # noqa: PLC0415
+
+    report = verify(uri, deep=True, storage_options=options)
+    assert report.ok, report.problems
