@@ -425,12 +425,89 @@ def _cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- convert ---------------------------------------------------------------------------------
+
+
+def _add_convert(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="copy a checkpoint to another URI and/or backend",
+        description="Copy the committed checkpoint at SRC_URI to the empty DST_URI, written "
+        "with --backend, tensor by tensor (whole tensors, no parallel layout involved; at most "
+        "--max-batch-mib of tensors in memory), and commit it with a manifest. Works between "
+        "any stores (local, s3://, gs://, ...).",
+    )
+    parser.add_argument("src_uri", metavar="SRC_URI", help="source checkpoint")
+    parser.add_argument("dst_uri", metavar="DST_URI", help="destination (must be empty)")
+    parser.add_argument(
+        "--backend", choices=("zarr", "torch_dist"), default="zarr", help="target backend"
+    )
+    parser.add_argument(
+        "--max-batch-mib",
+        type=_at_least(int, 1, "a positive number of MiB"),
+        default=1024,
+        help="tensor MiB read and written at once (default 1024; a larger tensor is its own "
+        "batch)",
+    )
+    parser.add_argument(
+        "--dst-storage-option",
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        action="append",
+        default=[],
+        dest="dst_storage_options",
+        help="a storage option for the destination only (repeatable; overrides "
+        "--storage-option there)",
+    )
+    _add_store_options(parser, with_json=True, with_progress=True)
+    parser.set_defaults(handler=_cmd_convert)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from cloudckpt.convert import convert  # noqa: PLC0415 - loads torch and the strategies
+
+    kwargs = _library_kwargs(args)
+    src_options = kwargs["storage_options"]
+    dst_options = {**(src_options or {}), **dict(args.dst_storage_options)} or None
+    show = _show_progress(args)
+    total = manifest_size(args.src_uri, **kwargs) if show else None
+    with progress_bar(show, "convert", "B", total) as progress:
+        manifest = convert(
+            args.src_uri,
+            args.dst_uri,
+            args.backend,
+            src_storage_options=src_options,
+            dst_storage_options=dst_options,
+            config=kwargs["config"],
+            max_batch_bytes=args.max_batch_mib * 2**20,
+            progress=progress,
+        )
+    summary = {
+        "src": redact_uri(args.src_uri),
+        "dst": redact_uri(args.dst_uri),
+        "backend": args.backend,
+        "tensors": len(manifest.tensors),
+        "objects": len(manifest.objects),
+        "bytes": manifest.total_size,
+    }
+    if args.json:
+        print(dump_json(summary))
+    else:
+        print(
+            f"converted {summary['src']} -> {summary['dst']} ({args.backend}): "
+            f"{plural(len(manifest.tensors), 'tensor')}, {plural(len(manifest.objects), 'object')}"
+            f", {manifest.total_size / 1e6:.1f} MB"
+        )
+    return 0
+
+
 _SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     _add_ls,
     _add_inspect,
     _add_verify,
     _add_gc,
     _add_rm,
+    _add_convert,
     _add_demo,
 )
 

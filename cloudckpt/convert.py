@@ -1,0 +1,181 @@
+"""Copy a checkpoint to another URI and/or backend, tensor by tensor.
+
+:func:`convert` reads a committed checkpoint (any backend cloudckpt reads, any store)
+and writes it to a new URI with the chosen sharded backend, committing it with a
+manifest like any save. Tensors are copied whole, in their global shape: no parallel
+layout is involved (the copy is resharding-free), and the target backend chooses its
+own chunking. Memory stays bounded: tensors are read and written in batches of at
+most ``max_batch_bytes`` (a single larger tensor is its own batch). ShardedObjects
+and the common state are copied as they are.
+
+Run it in one process (no process group needed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from cloudckpt import dist
+from cloudckpt.commit import claim, commit, require_committed
+from cloudckpt.config import CheckpointConfig, GiB
+from cloudckpt.core import CheckpointingConfig
+from cloudckpt.errors import CheckpointingException
+from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
+from cloudckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from cloudckpt.serialization import (
+    _destination_error,
+    _load_strategies,
+    _tensor_entries,
+    _with_storage,
+)
+from cloudckpt.storage import WriteResult, open_checkpoint
+from cloudckpt.strategies.base import StrategyAction, get_default_strategy
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH_BYTES = 1 * GiB
+COMMON_BACKEND = ("torch", 1)
+
+
+def convert(
+    src_uri: str,
+    dst_uri: str,
+    backend: str = "zarr",
+    *,
+    src_storage_options: dict[str, Any] | None = None,
+    dst_storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Copy the checkpoint at ``src_uri`` to ``dst_uri`` written with ``backend``.
+
+    Args:
+        src_uri / dst_uri: committed source; empty destination.
+        backend: sharded backend of the copy ("zarr" or "torch_dist"), version 1.
+        src_storage_options / dst_storage_options: fsspec options of each side.
+        config: part size, in-flight requests and chunk size (both sides).
+        max_batch_bytes: tensor bytes held in memory at once (one tensor at least).
+        progress: called with the bytes of each copied tensor.
+
+    Returns:
+        The destination's manifest.
+
+    Raises:
+        UncommittedCheckpointError / CheckpointNotFoundError: about the source.
+        CommitConflictError / CheckpointingException: the destination is not empty.
+    """
+    if dist.get_world_size() != 1:
+        raise CheckpointingException("convert runs in a single process (world size 1)")
+    started = time.perf_counter()
+    source = open_checkpoint(src_uri, storage_options=src_storage_options, config=config)
+    require_committed(source)
+    loader, common_loader = _load_strategies(source, None, None, src_storage_options, config)
+    target = open_checkpoint(dst_uri, storage_options=dst_storage_options, config=config)
+    error = _destination_error(target)
+    if error is not None:
+        raise error
+    saver, common_saver = (
+        _with_storage(get_default_strategy(action, *pair), dst_storage_options, config)
+        for action, pair in (
+            (StrategyAction.SAVE_SHARDED, (backend, 1)),
+            (StrategyAction.SAVE_COMMON, COMMON_BACKEND),
+        )
+    )
+    results: list[WriteResult] = [r for r in [claim(target)] if r is not None]
+    entries = _copy_tensors(loader, saver, (src_uri, dst_uri), results, max_batch_bytes, progress)
+    common = common_loader.load_common(src_uri)
+    results += common_saver.save_common(common, dst_uri) or []
+    objects = _source_objects(loader, common_loader, src_uri)
+    results += common_saver.save_sharded_objects(objects, dst_uri) or []
+    backends = CheckpointingConfig(saver.backend, saver.version, *COMMON_BACKEND)
+    manifest = commit(target, results, backends, entries, common_key_paths(common))
+    assert manifest is not None  # world of one: this process is the coordinator
+    logger.info(
+        "converted %s -> %s (%s): %d tensors, %.1f MB in %.1f s",
+        source.uri,
+        target.uri,
+        backend,
+        len(entries),
+        manifest.total_size / 1e6,
+        time.perf_counter() - started,
+    )
+    return manifest
+
+
+def _copy_tensors(
+    loader: Any,
+    saver: Any,
+    uris: tuple[str, str],
+    results: list[WriteResult],
+    max_batch_bytes: int,
+    progress: Callable[[int], None] | None,
+) -> list[TensorEntry]:
+    entries: list[TensorEntry] = []
+    for batch in _batches(loader.load_tensors_metadata(uris[0]), max_batch_bytes):
+        copied = _copy_batch(loader, saver, batch, *uris, results)
+        entries += _tensor_entries(saver, copied)
+        if progress is not None:
+            progress(sum(_nbytes(sh) for sh in batch))
+    return entries
+
+
+def _nbytes(sh: ShardedTensor) -> int:
+    return int(torch.Size(sh.global_shape).numel()) * torch.empty((), dtype=sh.dtype).element_size()
+
+
+def _batches(tensors: ShardedStateDict, limit: int) -> Iterator[list[ShardedTensor]]:
+    batch: list[ShardedTensor] = []
+    size = 0
+    for sh in (v for _, v in sorted(tensors.items()) if isinstance(v, ShardedTensor)):
+        if batch and size + _nbytes(sh) > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(sh)
+        size += _nbytes(sh)
+    if batch:
+        yield batch
+
+
+def _copy_batch(
+    loader: Any,
+    saver: Any,
+    batch: list[ShardedTensor],
+    src_uri: str,
+    dst_uri: str,
+    results: list[WriteResult],
+) -> ShardedStateDict:
+    """Read ``batch`` whole from the source and write it to the destination."""
+    request = {
+        sh.key: ShardedTensor.from_rank_offsets(
+            sh.key, torch.empty(tuple(sh.global_shape), dtype=sh.dtype)
+        )
+        for sh in batch
+    }
+    loaded = loader.load(request, src_uri)
+    copied = {key: ShardedTensor.from_rank_offsets(key, loaded[key]) for key in request}
+    results += saver.save(copied, dst_uri) or []
+    return copied
+
+
+def _source_objects(loader: Any, common_loader: Any, src_uri: str) -> ShardedStateDict:
+    """Every stored ShardedObject of the source, with its data."""
+    owner = loader if loader.can_handle_sharded_objects else common_loader
+    metadata = owner.load_sharded_metadata(src_uri)
+    wanted = {k: v for k, v in metadata.items() if isinstance(v, ShardedObject)}
+    if not wanted:
+        return {}
+    loaded = (
+        loader.load(wanted, src_uri)
+        if loader.can_handle_sharded_objects
+        else common_loader.load_sharded_objects(wanted, src_uri)
+    )
+    return {
+        key: ShardedObject(obj.key, loaded[key], obj.global_shape, obj.global_offset)
+        for key, obj in wanted.items()
+    }
