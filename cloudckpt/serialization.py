@@ -118,14 +118,15 @@ def _open(
 
 def _split_state_dict(
     sharded_state_dict: ShardedStateDict,
-) -> tuple[ShardedStateDict, ShardedStateDict, StateDict]:
-    """-> (sharded objects, sharded tensors, common state); nonpersistent values dropped."""
+) -> tuple[ShardedStateDict, ShardedStateDict, StateDict, ShardedStateDict]:
+    """-> (sharded objects, sharded tensors, common state, objects and tensors);
+    nonpersistent values dropped."""
     _, persistent = extract_matching_values(
         sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
     )
     sharded, common = extract_matching_values(persistent, lambda v: isinstance(v, ShardedBase))
     objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
-    return objects, tensors, common
+    return objects, tensors, common, sharded
 
 
 def _local_metadata(sharded: ShardedStateDict, uri: str) -> list[ShardedBase]:
@@ -186,7 +187,8 @@ def save(
     storage = _open(uri, sharded_saver, storage_options)
     _require_empty_destination(storage)
     apply_factories(sharded_state_dict)
-    objects, tensors, common = _split_state_dict(sharded_state_dict)
+    parts = _split_state_dict(sharded_state_dict)
+    objects, tensors, common, _ = parts
     local_metadata = _local_metadata(objects, uri) + _local_metadata(tensors, uri)
     if validate_access_integrity:
         validate_sharding_integrity(dist.all_gather_object(local_metadata), uri)
@@ -194,10 +196,7 @@ def save(
     error: BaseException | None = None
     results: list[WriteResult] = [claimed] if claimed is not None else []
     try:
-        results += sharded_saver.save(tensors, uri) or []
-        if dist.get_rank() == 0:
-            results += common_saver.save_common(common, uri) or []
-        results += common_saver.save_sharded_objects(objects, uri) or []
+        results += _write_parts(sharded_saver, common_saver, uri, parts)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         logger.error("rank %d failed to save %s: %s", dist.get_rank(), uri, exc)
         error = exc
@@ -208,6 +207,25 @@ def save(
     common_keys = common_key_paths(common) if dist.get_rank() == 0 else []
     commit(storage, results, backends, _tensor_entries(sharded_saver, tensors), common_keys)
     _log_rate("saved", uri, sum(r.size for r in results), len(results), started)
+
+
+def _write_parts(
+    sharded_saver: SaveShardedStrategy,
+    common_saver: SaveCommonStrategy,
+    uri: str,
+    parts: tuple[ShardedStateDict, ShardedStateDict, StateDict, ShardedStateDict],
+) -> list[WriteResult]:
+    """Write this rank's part of the checkpoint. ``parts`` is what
+    :func:`_split_state_dict` returns; sharded objects go to the sharded strategy when it
+    handles them (torch_dist: DCP items), else to the common strategy."""
+    objects, tensors, common, sharded = parts
+    with_objects = sharded_saver.can_handle_sharded_objects
+    results: list[WriteResult] = sharded_saver.save(sharded if with_objects else tensors, uri) or []
+    if dist.get_rank() == 0:
+        results += common_saver.save_common(common, uri) or []
+    if not with_objects:
+        results += common_saver.save_sharded_objects(objects, uri) or []
+    return results
 
 
 def _tensor_entries(strategy: Any, tensors: ShardedStateDict) -> list[TensorEntry]:
@@ -410,10 +428,7 @@ def load(
             uri, sharded_strategy, common_strategy, storage_options=storage_options, config=config
         ),
     )
-    objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
-    loaded = sharded_strategy.load(tensors, uri)
-    if objects:
-        merge(loaded, common_strategy.load_sharded_objects(objects, uri))
+    loaded = _load_sharded(sharded_strategy, common_strategy, sharded, uri)
     apply_factory_merges(loaded, factories)
     merge(common_state, loaded)
     merge(common_state, _unwrap(nonpersistent))
@@ -423,6 +438,22 @@ def load(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return common_state, missing, unexpected
     return common_state
+
+
+def _load_sharded(
+    sharded_strategy: LoadShardedStrategy,
+    common_strategy: LoadCommonStrategy,
+    sharded: ShardedStateDict,
+    uri: str,
+) -> StateDict:
+    """Load tensors and objects; objects with the sharded strategy when it handles them."""
+    if sharded_strategy.can_handle_sharded_objects:  # e.g. torch_dist: objects in DCP
+        return sharded_strategy.load(sharded, uri)
+    objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
+    loaded = sharded_strategy.load(tensors, uri)
+    if objects:
+        merge(loaded, common_strategy.load_sharded_objects(objects, uri))
+    return loaded
 
 
 def _unwrap(nonpersistent: StateDict) -> StateDict:

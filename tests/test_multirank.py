@@ -58,13 +58,16 @@ def check_tp(loaded: dict, rank: int, tp: int) -> int:
     return len(TP_KEYS)
 
 
-def _reshard_scenario(rank: int, world: int, uri: str) -> int:
+BACKENDS = ["zarr", "torch_dist"]
+
+
+def _reshard_scenario(rank: int, world: int, uri: str, backend: str = "zarr") -> int:
     state = tp_state(rank, tp=2)
     state["layernorm"] = ShardedTensor.from_rank_offsets(
         "layernorm", reference("layernorm", (8,)), replica_id=rank
     )
     state["iteration"] = 7
-    cloudckpt.save(state, uri)
+    cloudckpt.save(state, uri, sharded_strategy=(backend, 1))
     checked = 0
     for tp in (4, 1):
         loaded = cloudckpt.load(tp_state(rank, tp, empty=True), uri)
@@ -80,9 +83,13 @@ def _reshard_scenario(rank: int, world: int, uri: str) -> int:
     return checked + 1
 
 
-def test_save_tp2_dp2_load_tp4_tp1_and_2d_tiles(rank_pool, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_tp2_dp2_load_tp4_tp1_and_2d_tiles(rank_pool, tmp_path, backend):
     uri = str(tmp_path / "ckpt")
-    assert rank_pool.run(_reshard_scenario, uri) == [7, 7, 7, 7]
+    assert rank_pool.run(_reshard_scenario, uri, backend) == [7, 7, 7, 7]
+    if backend == "torch_dist":
+        assert {".metadata", "common.pt", "manifest.json"} <= set(os.listdir(uri))
+        return
     assert sorted(os.listdir(uri)) == [
         ".cloudckpt-claim.json",
         "bias",
@@ -106,7 +113,7 @@ def _flat(key: str, full: torch.Tensor, tp_rank: int, tp: int, bounds: list[int]
     )
 
 
-def _flat_scenario(rank: int, world: int, uri: str) -> int:
+def _flat_scenario(rank: int, world: int, uri: str, backend: str = "zarr") -> int:
     full = reference("exp_avg", (12, 5))
     vec = reference("uneven", (10,))
     save_bounds = [0, 1, 5, 7, 10]  # uneven 1-D pieces over 4 ranks
@@ -119,7 +126,7 @@ def _flat_scenario(rank: int, world: int, uri: str) -> int:
             flattened_range=slice(save_bounds[rank], save_bounds[rank + 1]),
         ),
     }
-    cloudckpt.save(state, uri)
+    cloudckpt.save(state, uri, sharded_strategy=(backend, 1))
     load_bounds = [0, 3, 6, 9, 10]
     request = {
         "exp_avg": _flat("exp_avg", torch.zeros(12, 5), 0, 1, [0, 7, 30, 41, 60], rank),
@@ -140,9 +147,12 @@ def _flat_scenario(rank: int, world: int, uri: str) -> int:
     return 4
 
 
-def test_flattened_ranges_saved_by_one_layout_loaded_by_another(rank_pool, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flattened_ranges_saved_by_one_layout_loaded_by_another(rank_pool, tmp_path, backend):
     uri = str(tmp_path / "ckpt")
-    assert rank_pool.run(_flat_scenario, uri) == [4] * 4
+    assert rank_pool.run(_flat_scenario, uri, backend) == [4] * 4
+    if backend == "torch_dist":
+        return
     assert sorted(os.listdir(os.path.join(uri, "exp_avg"))) == [".zarray", "0.0", "1.0"]
     assert sorted(os.listdir(os.path.join(uri, "uneven"))) == [".zarray", "0"]
 
@@ -163,7 +173,7 @@ def _merge_fn(sub_state):
     return torch.cat([sub_state["up"], sub_state["down"]])
 
 
-def _objects_factories_scenario(rank: int, world: int, uri: str) -> int:
+def _objects_factories_scenario(rank: int, world: int, uri: str, backend: str = "zarr") -> int:
     fused = reference("fused", (6, 4))
     state = {
         "rng": ShardedObject("rng_state", {"rank": rank, "seed": 100 + rank}, (world,), (rank,)),
@@ -173,7 +183,7 @@ def _objects_factories_scenario(rank: int, world: int, uri: str) -> int:
         "local_cache": LocalNonpersistentObject(f"not saved {rank}"),
         "step": 3,
     }
-    cloudckpt.save(state, uri)
+    cloudckpt.save(state, uri, sharded_strategy=(backend, 1))
     peer = (rank + 1) % world
     request = {
         "rng": ShardedObject("rng_state", None, (world,), (peer,), replica_id=1),
@@ -189,9 +199,13 @@ def _objects_factories_scenario(rank: int, world: int, uri: str) -> int:
     return 3
 
 
-def test_sharded_objects_factories_and_nonpersistent(rank_pool, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_objects_factories_and_nonpersistent(rank_pool, tmp_path, backend):
     uri = str(tmp_path / "ckpt")
-    assert rank_pool.run(_objects_factories_scenario, uri) == [3] * 4
+    assert rank_pool.run(_objects_factories_scenario, uri, backend) == [3] * 4
+    if backend == "torch_dist":  # the objects are DCP items, not files
+        assert "rng_state" not in os.listdir(uri)
+        return
     assert sorted(os.listdir(os.path.join(uri, "rng_state"))) == [
         f"shard_{r}_4.pt" for r in range(4)
     ]

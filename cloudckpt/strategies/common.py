@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 BACKEND = "torch"
 VERSION = 1
 COMMON_STATE_FNAME = "common.pt"
+DCP_METADATA_FNAME = ".metadata"
+DCP_COMMON_STATE_ITEM = "common_state"  # Megatron-Core 0.19+: common state inside DCP
 _SHARD_FILE = re.compile(r"(^|/)shard_[0-9.]*_[0-9.]*\.pt$")
 
 
@@ -47,6 +49,22 @@ def _dumps(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def load_dcp_common_state(storage: CheckpointStorage, weights_only: bool = False) -> Any:
+    """The common state Megatron-Core 0.19+ keeps as the DCP bytes item ``common_state``.
+
+    Returns None when the checkpoint has no DCP ``.metadata`` or no such item.
+    """
+    if not storage.exists(DCP_METADATA_FNAME):
+        return None
+    # imported here: it loads torch.distributed.checkpoint, which common.pt users never need
+    from cloudckpt.strategies._dcp_reader import DcpCheckpoint  # noqa: PLC0415
+
+    checkpoint = DcpCheckpoint(storage)
+    if DCP_COMMON_STATE_ITEM not in checkpoint.object_keys():
+        return None
+    return checkpoint.read_objects([DCP_COMMON_STATE_ITEM], weights_only)[DCP_COMMON_STATE_ITEM]
 
 
 class TorchCommonSaveStrategy(StorageBackedMixin, SaveCommonStrategy):
@@ -118,17 +136,17 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadCom
         """Read and unpickle ``common.pt``."""
         storage = self._storage(checkpoint_dir)
         try:
-            raw = storage.read(COMMON_STATE_FNAME)
+            state = self._loads(storage.read(COMMON_STATE_FNAME))
+            where = storage.child_uri(COMMON_STATE_FNAME)
         except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"checkpoint {storage.uri!r} has no {COMMON_STATE_FNAME} (common state)"
-            ) from exc
-        state = self._loads(raw)
+            state = load_dcp_common_state(storage, self.weights_only)
+            if state is None:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {storage.uri!r} has no {COMMON_STATE_FNAME} (common state)"
+                ) from exc
+            where = f"{storage.uri} (DCP item {DCP_COMMON_STATE_ITEM!r})"
         if not isinstance(state, dict):
-            raise CheckpointingException(
-                f"{storage.child_uri(COMMON_STATE_FNAME)} holds a {type(state).__name__}, "
-                "not a dict"
-            )
+            raise CheckpointingException(f"{where} holds a {type(state).__name__}, not a dict")
         return state
 
     def load_sharded_objects(

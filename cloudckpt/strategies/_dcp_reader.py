@@ -1,0 +1,265 @@
+"""Loading ShardedTensors and ShardedObjects out of a DCP checkpoint, with resharding.
+
+A requested shard is a box of the global tensor. The reader picks the stored DCP
+chunks overlapping it, fetches just those items (one ranged read each, concurrently,
+through :mod:`cloudckpt.storage`), decodes them and copies the overlaps. Tensors
+stored in the N-D flattened layout (see :mod:`cloudckpt.strategies.checkpointable`)
+are first reassembled into the grid chunks they were cut from. Requests are handled
+in batches of bounded size, so peak memory stays near one batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.mapping import ShardedObject, ShardedTensor
+from cloudckpt.storage import CheckpointStorage, ReadRequest
+from cloudckpt.strategies._dcp_storage import (
+    item_request,
+    load_object_item,
+    load_tensor_item,
+    read_metadata,
+)
+from cloudckpt.validation import chunk_shape
+
+DEFAULT_BATCH_BYTES = 512 * 1024 * 1024
+ORIG_SHAPE_KEY = "nd_reformulated_orig_global_shape"
+COMMON_STATE_ITEM = "common_state"
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A box of the global tensor made of stored items (one, or a flattened chunk's pieces)."""
+
+    box: Box
+    items: tuple[tuple[MetadataIndex, int], ...]  # (index, flat start) of each piece
+    flat: bool  # pieces are flat ranges of the box's C-order elements
+
+
+def _overlap(a: Box, b: Box) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Slices of ``a`` and of ``b`` selecting their intersection, or None if empty."""
+    in_a, in_b = [], []
+    for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(oa, ob), min(oa + sa, ob + sb)
+        if lo >= hi:
+            return None
+        in_a.append(slice(lo - oa, hi - oa))
+        in_b.append(slice(lo - ob, hi - ob))
+    return tuple(in_a), tuple(in_b)
+
+
+class DcpCheckpoint:
+    """The DCP part of one checkpoint: its metadata and item reads.
+
+    Args:
+        storage: the checkpoint.
+        batch_bytes: upper bound on the item bytes fetched per batch of requests.
+    """
+
+    def __init__(self, storage: CheckpointStorage, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+        self.storage = storage
+        self.batch_bytes = batch_bytes
+        self.metadata: Metadata = read_metadata(storage)
+
+    # -- metadata ---------------------------------------------------------------------
+
+    def _where(self, key: str) -> str:
+        return f"tensor {key!r} in checkpoint {self.storage.uri!r}"
+
+    def tensor_metadata(self, key: str) -> TensorStorageMetadata:
+        md = self.metadata.state_dict_metadata.get(key)
+        if md is None:
+            raise CheckpointNotFoundError(f"{self._where(key)}: not found")
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointingException(f"{self._where(key)}: stored as bytes, not a tensor")
+        return md
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        """The tensor's global shape (undoing an N-D flattened reformulation)."""
+        shape = self.orig_shape(key)
+        return shape if shape is not None else tuple(self.tensor_metadata(key).size)
+
+    def orig_shape(self, key: str) -> tuple[int, ...] | None:
+        extra = getattr(self.metadata, "mcore_data", None) or {}
+        shape = extra.get(key, {}).get(ORIG_SHAPE_KEY)
+        return tuple(shape) if shape is not None else None
+
+    def tensor_keys(self) -> list[str]:
+        items = self.metadata.state_dict_metadata.items()
+        return [k for k, md in items if isinstance(md, TensorStorageMetadata)]
+
+    def object_keys(self) -> list[str]:
+        items = self.metadata.state_dict_metadata.items()
+        return [k for k, md in items if isinstance(md, BytesStorageMetadata)]
+
+    # -- tensors ----------------------------------------------------------------------
+
+    def _check(self, sh: ShardedTensor) -> None:
+        md, where = self.tensor_metadata(sh.key), self._where(sh.key)
+        if md.properties.dtype != sh.dtype:
+            raise CheckpointingException(
+                f"{where}: stored dtype {md.properties.dtype}, requested {sh.dtype}"
+            )
+        stored = self.global_shape(sh.key)
+        if stored != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
+            raise CheckpointingException(
+                f"{where}: stored global shape {stored}, requested {tuple(sh.global_shape)} "
+                "(set allow_shape_mismatch=True to cut or pad)"
+            )
+
+    def _sources(self, key: str) -> list[_Source]:
+        md = self.tensor_metadata(key)
+        orig = self.orig_shape(key)
+        if orig is None:
+            return [
+                _Source(
+                    (tuple(c.offsets), tuple(c.sizes)), ((MetadataIndex(key, c.offsets), 0),), False
+                )
+                for c in md.chunks
+            ]
+        return self._flat_sources(key, md, orig)
+
+    def _flat_sources(
+        self, key: str, md: TensorStorageMetadata, orig: tuple[int, ...]
+    ) -> list[_Source]:
+        """Grid chunks of an N-D flattened tensor, each with its stored flat pieces."""
+        grid, numel = tuple(md.size[:-1]), md.size[-1]
+        if len(grid) != len(orig) or any(g < 1 or n % g for n, g in zip(orig, grid, strict=True)):
+            raise CheckpointingException(
+                f"{self._where(key)}: stored flattened layout {tuple(md.size)} does not fit "
+                f"global shape {orig}"
+            )
+        local = tuple(n // g for n, g in zip(orig, grid, strict=True))
+        if math.prod(local) != numel:
+            raise CheckpointingException(
+                f"{self._where(key)}: chunks of {numel} elements cannot have shape {local}"
+            )
+        pieces: dict[tuple[int, ...], list[tuple[MetadataIndex, int]]] = {}
+        for c in md.chunks:
+            index = tuple(c.offsets[:-1])
+            pieces.setdefault(index, []).append((MetadataIndex(key, c.offsets), c.offsets[-1]))
+        origin = {i: tuple(a * n for a, n in zip(i, local, strict=True)) for i in pieces}
+        return [_Source((origin[i], local), tuple(p), True) for i, p in pieces.items()]
+
+    def load_tensors(self, tensors: Sequence[ShardedTensor]) -> dict[int, torch.Tensor]:
+        """Load every requested tensor; returns ``{id(sharded_tensor): tensor}``."""
+        for sh in tensors:
+            self._check(sh)
+        sources = {key: self._sources(key) for key in {sh.key for sh in tensors}}
+        plans = [(sh, self._plan(sh, sources[sh.key])) for sh in tensors]
+        out: dict[int, torch.Tensor] = {}
+        for batch in self._batches(plans):
+            out.update(self._load_batch(batch))
+        return out
+
+    def _plan(self, sh: ShardedTensor, sources: list[_Source]) -> list[_Source]:
+        box = (tuple(sh.global_offset), chunk_shape(sh))
+        return [s for s in sources if _overlap(s.box, box) is not None]
+
+    def _item_size(self, index: MetadataIndex) -> int:
+        request = item_request(self.storage, self.metadata, index)
+        return (request.end or 0) - request.start
+
+    def _batches(
+        self, plans: list[tuple[ShardedTensor, list[_Source]]]
+    ) -> Iterator[list[tuple[ShardedTensor, list[_Source]]]]:
+        batch: list[tuple[ShardedTensor, list[_Source]]] = []
+        size = 0
+        for sh, sources in plans:
+            nbytes = sum(self._item_size(i) for s in sources for i, _ in s.items)
+            if batch and size + nbytes > self.batch_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append((sh, sources))
+            size += nbytes
+        if batch:
+            yield batch
+
+    def _load_batch(
+        self, batch: list[tuple[ShardedTensor, list[_Source]]]
+    ) -> dict[int, torch.Tensor]:
+        indices = {i for _, sources in batch for s in sources for i, _ in s.items}
+        requests = {i: item_request(self.storage, self.metadata, i) for i in indices}
+        unique = sorted(set(requests.values()), key=lambda r: (r.path, r.start))
+        fetched = dict(zip(unique, self.storage.read_many(unique), strict=True))
+        decoded: dict[Any, torch.Tensor] = {}
+        out = {}
+        for sh, sources in batch:
+            box = torch.zeros(chunk_shape(sh), dtype=sh.dtype)  # zeros pad a shape mismatch
+            for source in sources:
+                if source not in decoded:
+                    decoded[source] = self._decode(source, requests, fetched)
+                _copy_overlap(box, (tuple(sh.global_offset), chunk_shape(sh)), source, decoded)
+            result = box.reshape(tuple(sh.local_shape))
+            if sh.flattened_range is not None:
+                result = result.reshape(-1)[sh.flattened_range].clone()
+            if sh.data is not None and sh.data.device.type not in ("cpu", "meta"):
+                result = result.to(sh.data.device)
+            out[id(sh)] = result
+        return out
+
+    def _decode(
+        self,
+        source: _Source,
+        requests: dict[MetadataIndex, ReadRequest],
+        fetched: dict[ReadRequest, bytes],
+    ) -> torch.Tensor:
+        """The source's box as one tensor."""
+        parts = []
+        for index, start in source.items:
+            request = requests[index]
+            where = f"{self.storage.child_uri(request.path)} (item {index.fqn!r})"
+            parts.append((start, load_tensor_item(fetched[request], where)))
+        if not source.flat:
+            return parts[0][1].reshape(source.box[1])
+        sample = parts[0][1]
+        flat = torch.zeros(math.prod(source.box[1]), dtype=sample.dtype)
+        for start, part in parts:
+            flat[start : start + part.numel()] = part.reshape(-1)
+        return flat.reshape(source.box[1])
+
+    # -- objects ----------------------------------------------------------------------
+
+    def load_objects(
+        self, objects: Sequence[ShardedObject], weights_only: bool = False
+    ) -> dict[int, Any]:
+        """Load every requested ShardedObject; returns ``{id(sharded_object): value}``."""
+        keys = [o.unique_key for o in objects]
+        missing = [k for k in keys if k not in self.metadata.state_dict_metadata]
+        if missing:
+            stored = sorted({k for k in self.object_keys() for o in objects if k.startswith(o.key)})
+            raise CheckpointNotFoundError(
+                f"sharded object(s) {missing} not found in checkpoint {self.storage.uri!r}; "
+                f"stored shards of these keys: {stored or 'none'}"
+            )
+        values = self.read_objects(keys, weights_only)
+        return {id(o): values[o.unique_key] for o in objects}
+
+    def read_objects(self, keys: Sequence[str], weights_only: bool = False) -> dict[str, Any]:
+        """``{key: value}`` of stored bytes items (``torch.save``'d objects)."""
+        requests = [item_request(self.storage, self.metadata, MetadataIndex(k)) for k in keys]
+        raws = self.storage.read_many(requests)
+        return {k: load_object_item(raw, weights_only) for k, raw in zip(keys, raws, strict=True)}
+
+
+def _copy_overlap(
+    out: torch.Tensor, out_box: Box, source: _Source, decoded: dict[Any, torch.Tensor]
+) -> None:
+    overlap = _overlap(source.box, out_box)
+    if overlap is not None:
+        in_source, in_out = overlap
+        out[in_out] = decoded[source][in_source]

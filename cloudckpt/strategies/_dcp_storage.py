@@ -1,0 +1,334 @@
+"""PyTorch DCP ``StorageWriter`` / ``StorageReader`` over :class:`CheckpointStorage`.
+
+The files are those of DCP's ``FileSystemWriter``: ``.metadata`` (the pickled
+:class:`~torch.distributed.checkpoint.metadata.Metadata`) and ``__<rank>_<i>.distcp``
+data objects, each a concatenation of items - tensors as ``torch.save`` bytes, other
+values as the bytes the planner produced - whose offsets and lengths ``.metadata``
+records. So DCP's own ``FileSystemReader`` reads what this writer wrote.
+
+Memory stays bounded: ``torch.save`` copies each tensor once into host memory (into
+the buffer of the object being assembled), so items are packed into objects of about
+``object_size`` bytes (an item larger than that gets an object of its own), and
+objects are uploaded in batches of about ``batch_bytes`` through
+:meth:`CheckpointStorage.write_many` (concurrent requests, multipart uploads, the
+buffers streamed without a further copy); after each batch its buffers are released.
+So about one batch plus one object of serialised bytes is in memory at a time, however
+large the rank's state is.
+``.metadata`` is written directly by the coordinator (no temporary file and rename):
+the checkpoint becomes visible only with cloudckpt's commit, which follows.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
+from torch.futures import Future
+
+from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
+
+METADATA_FNAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+DCP_VERSION = "1.0.0"
+DEFAULT_OBJECT_SIZE = 256 * 1024 * 1024
+DEFAULT_BATCH_BYTES = 512 * 1024 * 1024
+ITEM_OVERHEAD = 1024  # torch.save's zip records around a tensor's bytes, roughly
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor owning exactly its elements (``torch.save`` writes whole storages)."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        return tensor.to("cpu").contiguous()
+    nbytes = tensor.numel() * tensor.element_size()
+    owns = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
+    if owns and tensor.is_contiguous():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _estimated_size(data: torch.Tensor | io.BytesIO) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size() + ITEM_OVERHEAD
+    return data.getbuffer().nbytes
+
+
+@dataclass
+class _Object:
+    """One ``.distcp`` object being assembled: items appended to one buffer."""
+
+    path: str
+    buffer: io.BytesIO = field(default_factory=io.BytesIO)
+
+    @property
+    def size(self) -> int:
+        return self.buffer.tell()
+
+    def append(self, data: torch.Tensor | io.BytesIO | Any) -> tuple[int, int]:
+        """Append one resolved write item; returns its (offset, length)."""
+        offset = self.size
+        if isinstance(data, torch.Tensor):
+            torch.save(to_host(data), self.buffer)
+        elif isinstance(data, io.BytesIO):
+            self.buffer.write(data.getbuffer())
+        else:
+            raise CheckpointingException(f"cannot store a {type(data).__name__} as a DCP item")
+        return offset, self.size - offset
+
+    def payload(self) -> memoryview:
+        return self.buffer.getbuffer()[: self.size]
+
+
+class CloudStorageWriter(StorageWriter):
+    """DCP storage writer that uploads through cloudckpt's storage layer.
+
+    After ``dcp.save`` returns, :attr:`results` holds this rank's cloudckpt write
+    results (the coordinator's include ``.metadata``), for the manifest.
+
+    Args:
+        storage: the checkpoint.
+        object_size: target size of one ``.distcp`` object in bytes.
+        batch_bytes: upload objects in batches of about this many bytes.
+        mcore_data: per-key extra metadata stored on ``Metadata.mcore_data`` (as
+            Megatron-Core does), merged over ranks by the coordinator.
+    """
+
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        object_size: int = DEFAULT_OBJECT_SIZE,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        mcore_data: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.storage = storage
+        self.object_size = object_size
+        self.batch_bytes = batch_bytes
+        self.mcore_data = dict(mcore_data or {})
+        self.results: list[WriteResult] = []
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.results = []
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # the coordinator merges every rank's extra metadata in prepare_global_plan
+        return replace(plan, storage_data=self.mcore_data)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        for plan in plans:
+            if isinstance(plan.storage_data, dict):
+                self.mcore_data.update(plan.storage_data)
+        return [replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[DcpWriteResult]]:
+        prefix: _StoragePrefix = plan.storage_data
+        out: list[DcpWriteResult] = []
+        pending: list[_Object] = []
+        for obj, items in self._objects(prefix.prefix, plan.items, planner):
+            out += items
+            pending.append(obj)
+            if sum(o.size for o in pending) >= self.batch_bytes:
+                self._upload(pending)
+                pending = []
+        self._upload(pending)
+        future: Future[list[DcpWriteResult]] = Future()
+        future.set_result(out)
+        return future
+
+    def _objects(
+        self, prefix: str, items: list[WriteItem], planner: SavePlanner
+    ) -> Iterator[tuple[_Object, list[DcpWriteResult]]]:
+        """Pack the items into objects of about ``object_size`` bytes, in plan order."""
+        count = 0
+        obj: _Object | None = None
+        results: list[DcpWriteResult] = []
+        for item in items:
+            data = planner.resolve_data(item)
+            estimate = _estimated_size(data)
+            if obj is not None and obj.size and obj.size + estimate > self.object_size:
+                yield obj, results
+                obj, results = None, []
+            if obj is None:
+                obj = _Object(f"{prefix}{count}{DATA_SUFFIX}")
+                count += 1
+            offset, length = obj.append(data)
+            info = _StorageInfo(obj.path, offset, length)
+            results.append(DcpWriteResult(item.index, length, info))
+        if obj is not None:
+            yield obj, results
+
+    def _upload(self, objects: list[_Object]) -> None:
+        if objects:
+            self.results += self.storage.write_many([(o.path, o.payload()) for o in objects])
+
+    def finish(self, metadata: Metadata, results: list[list[DcpWriteResult]]) -> None:
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+        metadata.storage_meta = self.storage_meta()
+        if self.mcore_data:
+            metadata.mcore_data = self.mcore_data  # type: ignore[attr-defined]
+        self.results.append(self.storage.write(METADATA_FNAME, pickle.dumps(metadata)))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.storage.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
+def read_metadata(storage: CheckpointStorage) -> Metadata:
+    """The checkpoint's DCP ``.metadata``.
+
+    Raises:
+        CheckpointNotFoundError: there is none.
+        CheckpointingException: it is not a DCP Metadata.
+    """
+    try:
+        raw = storage.read(METADATA_FNAME)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"checkpoint {storage.uri!r} has no {METADATA_FNAME} (PyTorch DCP metadata)"
+        ) from exc
+    try:
+        metadata = pickle.loads(raw)
+    except Exception as exc:
+        raise CheckpointingException(
+            f"{storage.child_uri(METADATA_FNAME)} is not a PyTorch DCP metadata file: {exc}"
+        ) from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointingException(
+            f"{storage.child_uri(METADATA_FNAME)} holds a {type(metadata).__name__}, not Metadata"
+        )
+    return metadata
+
+
+def item_request(
+    storage: CheckpointStorage, metadata: Metadata, index: MetadataIndex
+) -> ReadRequest:
+    """The ranged read of one stored item."""
+    info = (metadata.storage_data or {}).get(index)
+    if not isinstance(info, _StorageInfo):
+        raise CheckpointNotFoundError(
+            f"checkpoint {storage.uri!r}: no stored item for {index.fqn!r} at offset "
+            f"{tuple(index.offset) if index.offset is not None else None}"
+        )
+    if info.transform_descriptors:
+        raise CheckpointingException(
+            f"checkpoint {storage.uri!r}: item {index.fqn!r} uses DCP stream transforms "
+            f"{list(info.transform_descriptors)}, which cloudckpt does not read"
+        )
+    return ReadRequest(info.relative_path, info.offset, info.offset + info.length)
+
+
+def load_tensor_item(raw: bytes, where: str) -> torch.Tensor:
+    """Decode a tensor item (``torch.save`` bytes, tensors only)."""
+    try:
+        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointingException(f"{where}: cannot decode the tensor item: {exc}") from exc
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointingException(f"{where}: item holds a {type(tensor).__name__}")
+    return tensor
+
+
+def load_object_item(raw: bytes, weights_only: bool = False) -> Any:
+    """Decode a bytes item; a ``BytesIO`` inside (Megatron-Core's ShardedObjects) is unwrapped."""
+    value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=weights_only)
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        value = torch.load(value, map_location="cpu", weights_only=weights_only)
+    return value
+
+
+class CloudStorageReader(StorageReader):
+    """DCP storage reader over cloudckpt's storage layer (any fsspec URI).
+
+    For ``torch.distributed.checkpoint.load(state_dict, storage_reader=...)``: reads
+    the items of the plan with concurrent ranged reads.
+    """
+
+    def __init__(self, storage: CheckpointStorage) -> None:
+        super().__init__()
+        self.storage = storage
+        self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self.metadata = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(self.storage)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = uuid.uuid4().hex
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.metadata is None:
+            raise CheckpointingException("read_data called before set_up_storage_reader")
+        requests = [item_request(self.storage, self.metadata, r.storage_index) for r in plan.items]
+        unique = sorted(set(requests), key=lambda r: (r.path, r.start))
+        fetched = dict(zip(unique, self.storage.read_many(unique), strict=True))
+        for item, request in zip(plan.items, requests, strict=True):
+            raw = fetched[request]
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(raw))
+                continue
+            tensor = load_tensor_item(raw, self.storage.child_uri(request.path))
+            spans = zip(item.storage_offsets, item.lengths, strict=True)
+            for dim, (start, length) in enumerate(spans):
+                tensor = tensor.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.storage.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False

@@ -1,0 +1,286 @@
+"""torch_dist backend ("torch_dist", version 1): the PyTorch DCP format, over any URI.
+
+The layout is that of PyTorch DCP's ``FileSystemWriter`` and Megatron-Core's torch_dist
+backend, written through :mod:`cloudckpt.storage` (S3, GCS, local, any fsspec URI):
+
+* ``.metadata``: the pickled DCP ``Metadata`` - per key the global shape, dtype and
+  chunks of a tensor (or a bytes entry), per stored item its object, offset and
+  length; ``mcore_data`` records the original shape of N-D flattened tensors;
+* ``__<rank>_<i>.distcp``: data objects, each a concatenation of items: tensors as
+  ``torch.save`` bytes, ShardedObjects as ``torch.save`` bytes of a ``BytesIO``
+  holding ``torch.save(obj.data)`` (as Megatron-Core stores them).
+
+The DCP key of a ShardedTensor is its ``key``, of a ShardedObject its ``unique_key``.
+Only main replicas are written. Flattened shards (distributed-optimizer state) are
+stored in Megatron-Core's N-D flattened layout (see
+:mod:`cloudckpt.strategies.checkpointable`). Saving is collective: DCP gathers the
+plans on the coordinator, which writes ``.metadata`` directly (no temporary file and
+rename) after every rank uploaded its data; cloudckpt's commit (``manifest.json``,
+then ``metadata.json``) follows. Loading reshards to any requested layout, reading
+only the items that overlap the requested shards (ranged reads).
+
+Loading unpickles ``.metadata`` and ShardedObjects (as PyTorch and Megatron-Core do):
+only load checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from cloudckpt.commit import amend_manifest
+from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
+from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
+from cloudckpt.errors import CheckpointingException
+from cloudckpt.manifest import TensorEntry
+from cloudckpt.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
+)
+from cloudckpt.storage import FileSystem, WriteResult
+from cloudckpt.strategies._dcp_reader import COMMON_STATE_ITEM, ORIG_SHAPE_KEY, DcpCheckpoint
+from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
+from cloudckpt.strategies.base import (
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    SingleFormatLoadMixin,
+    StorageBackedMixin,
+    StrategyAction,
+    register_default_strategy,
+)
+from cloudckpt.strategies.checkpointable import (
+    CheckpointableShardedTensor,
+    LocalShardsContainer,
+    is_nd_flattened,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "torch_dist"
+VERSION = 1
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def to_dcp_state_dict(
+    sharded_state_dict: ShardedStateDict,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """This rank's DCP state dict (main replicas only) and the per-key ``mcore_data``.
+
+    ShardedTensors become CheckpointableShardedTensors (several shards of one key a
+    LocalShardsContainer); ShardedObjects become ``BytesIO`` of their ``torch.save``.
+    """
+    shards: dict[str, list[CheckpointableShardedTensor]] = {}
+    state: dict[str, Any] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
+            shards.setdefault(value.key, []).append(CheckpointableShardedTensor.from_sh_ten(value))
+            if is_nd_flattened(value):
+                extra[value.key] = {ORIG_SHAPE_KEY: tuple(value.global_shape)}
+        elif isinstance(value, ShardedObject) and is_main_replica(value.replica_id):
+            buffer = io.BytesIO()
+            torch.save(value.data, buffer)
+            state[value.unique_key] = buffer
+    for key, local in shards.items():
+        state[key] = local[0] if len(local) == 1 else LocalShardsContainer(list(local))
+    return state, extra
+
+
+def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
+    """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed)."""
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        state_dict_saver.save(state, storage_writer=writer, planner=planner)
+
+
+class TorchDistSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
+    """Save ShardedTensors and ShardedObjects in the PyTorch DCP format.
+
+    Args:
+        backend: must be "torch_dist".
+        version: format version (1).
+        fs: an fsspec filesystem to use instead of resolving one from the URI.
+        storage_options: options for the filesystem resolved from the URI.
+        object_size: target size in bytes of one ``.distcp`` object (small items share
+            an object; a larger item gets its own); the config's ``chunk_size`` wins.
+        config: a :class:`~cloudckpt.config.CheckpointConfig`.
+    """
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        fs: FileSystem | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        object_size: int = DEFAULT_CHUNK_SIZE,
+        config: CheckpointConfig | None = None,
+    ) -> None:
+        super().__init__(backend, version)
+        if object_size < 1:
+            raise ValueError(f"object_size must be a positive number of bytes: {object_size}")
+        self.object_size = object_size
+        self._set_storage(fs, storage_options, config)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """ShardedObjects are stored as DCP bytes items."""
+        return True
+
+    def _object_size(self) -> int:
+        if self.config is not None and self.config.chunk_size is not None:
+            return self.config.chunk_size
+        return self.object_size
+
+    def _batch_bytes(self) -> int:
+        config = self.config or CheckpointConfig()
+        return max(self._object_size(), config.part_size * config.max_in_flight)
+
+    def tensor_entries(self, tensors: Iterable[ShardedTensor]) -> list[TensorEntry]:
+        """Manifest entries (global shape, dtype; no chunking) of ``tensors``."""
+        entries = {
+            sh.key: TensorEntry(
+                sh.key, tuple(sh.global_shape), str(sh.dtype).removeprefix("torch."), None
+            )
+            for sh in tensors
+        }
+        return list(entries.values())
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> list[WriteResult]:
+        """Write this rank's main replicas as DCP items. Collective.
+
+        Returns:
+            This rank's write results (on the coordinator, ``.metadata`` included).
+        """
+        storage = self._storage(checkpoint_dir)
+        state, extra = to_dcp_state_dict(sharded_state_dict)
+        writer = CloudStorageWriter(storage, self._object_size(), self._batch_bytes(), extra)
+        try:
+            dcp_save(state, writer)
+        except CheckpointingException:
+            raise
+        except Exception as exc:
+            raise CheckpointingException(
+                f"saving the torch_dist part of checkpoint {storage.uri!r} failed: {exc}"
+            ) from exc
+        return writer.results
+
+
+class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadShardedStrategy):
+    """Load ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint, resharding.
+
+    Reads checkpoints of cloudckpt, Megatron-Core's torch_dist backend and plain DCP.
+    """
+
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = VERSION,
+        fs: FileSystem | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.version = version
+        self._set_storage(fs, storage_options)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """ShardedObjects are read from DCP bytes items."""
+        return True
+
+    def _checkpoint(self, checkpoint_dir: str) -> DcpCheckpoint:
+        return DcpCheckpoint(self._storage(checkpoint_dir))
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> StateDict:
+        """Return ``sharded_state_dict`` with every ShardedTensor and ShardedObject loaded."""
+        values = list(nested_values(sharded_state_dict))
+        tensors = [v for v in values if isinstance(v, ShardedTensor)]
+        objects = [v for v in values if isinstance(v, ShardedObject)]
+        if not tensors and not objects:
+            return dict_list_map_outplace(lambda v: v, sharded_state_dict)
+        checkpoint = self._checkpoint(checkpoint_dir)
+        loaded = checkpoint.load_tensors(tensors)
+        loaded.update(checkpoint.load_objects(objects))
+
+        def replace(value: Any) -> Any:
+            return loaded[id(value)] if isinstance(value, (ShardedTensor, ShardedObject)) else value
+
+        return dict_list_map_outplace(replace, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """``{key: ShardedTensor}`` (meta-device data, one shard) for every stored tensor."""
+        checkpoint = self._checkpoint(checkpoint_dir)
+        out: ShardedStateDict = {}
+        for key in checkpoint.tensor_keys():
+            dtype = checkpoint.tensor_metadata(key).properties.dtype
+            shape = checkpoint.global_shape(key)
+            out[key] = ShardedTensor.from_rank_offsets(
+                key, torch.empty(shape, dtype=dtype, device="meta")
+            )
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """Tensors (as :meth:`load_tensors_metadata`) and ShardedObjects (by unique key)."""
+        out = self.load_tensors_metadata(checkpoint_dir)
+        for key in self._checkpoint(checkpoint_dir).object_keys():
+            if key == COMMON_STATE_ITEM:
+                continue
+            try:
+                obj = ShardedObject.empty_from_unique_key(key)
+            except Exception:  # noqa: BLE001 - a bytes item that is no ShardedObject
+                logger.debug("bytes item %r is not a ShardedObject; not listed", key)
+                continue
+            out[obj.unique_key] = obj
+        return out
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Drop every tensor whose key starts with ``key_prefix`` from ``.metadata``.
+
+        The items stay in the ``.distcp`` objects (they share objects with other items)
+        but are no longer reachable. The manifest, when there is one, is rewritten with
+        the new ``.metadata``'s size and CRC-32C.
+        """
+        checkpoint = self._checkpoint(checkpoint_dir)
+        metadata = checkpoint.metadata
+        removed = {k for k in checkpoint.tensor_keys() if k.startswith(key_prefix)}
+        if not removed:
+            return
+        logger.info("removing tensors %s from %s", sorted(removed), checkpoint.storage.uri)
+        metadata.state_dict_metadata = {
+            k: v for k, v in metadata.state_dict_metadata.items() if k not in removed
+        }
+        metadata.storage_data = {
+            i: info for i, info in (metadata.storage_data or {}).items() if i.fqn not in removed
+        }
+        extra = getattr(metadata, "mcore_data", None)
+        if extra:
+            metadata.mcore_data = {  # type: ignore[attr-defined]
+                k: v for k, v in extra.items() if k not in removed
+            }
+        written = checkpoint.storage.write(METADATA_FNAME, pickle.dumps(metadata))
+        amend_manifest(checkpoint.storage, rewritten=[written], removed_tensors=sorted(removed))
+
+
+def register_default_torch_dist_strategies() -> None:
+    """Register the torch_dist save and load strategies as defaults for ("torch_dist", 1)."""
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, BACKEND, VERSION, TorchDistSaveShardedStrategy()
+    )
+    register_default_strategy(
+        StrategyAction.LOAD_SHARDED, BACKEND, VERSION, TorchDistLoadShardedStrategy()
+    )
+
+
+register_default_torch_dist_strategies()
