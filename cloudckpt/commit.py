@@ -15,6 +15,7 @@ PyTorch-written: ``metadata.json`` without a claim or manifest) checkpoints apar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -107,6 +108,34 @@ def read_manifest(storage: CheckpointStorage) -> Manifest | None:
     if not storage.exists(MANIFEST_FNAME):
         return None
     return Manifest.from_json(storage.read(MANIFEST_FNAME), storage.child_uri(MANIFEST_FNAME))
+
+
+def amend_manifest(
+    storage: CheckpointStorage,
+    *,
+    rewritten: Sequence[WriteResult] = (),
+    deleted: Sequence[str] = (),
+    removed_tensors: Sequence[str] = (),
+) -> None:
+    """Record an edit of a committed checkpoint (``remove_sharded_tensors``) in its
+    manifest: objects rewritten or deleted, tensors removed. The manifest is replaced in
+    place; this is the one write of ``manifest.json`` that is not create-only. A
+    checkpoint without a manifest (foreign) is left as it is.
+    """
+    manifest = read_manifest(storage)
+    if manifest is None:
+        return
+    new = {r.path: ManifestEntry(r.path, r.size, r.crc32c) for r in rewritten}
+    gone = set(deleted)
+    objects = tuple(
+        new.pop(e.path, e)
+        for e in manifest.objects
+        if e.path not in gone and not any(e.path.startswith(d + "/") for d in gone)
+    ) + tuple(new.values())
+    tensors = tuple(t for t in manifest.tensors if t.key not in set(removed_tensors))
+    amended = dataclasses.replace(manifest, objects=objects, tensors=tensors)
+    storage.write(MANIFEST_FNAME, amended.to_json())
+    logger.info("amended %s: %d objects", storage.child_uri(MANIFEST_FNAME), len(objects))
 
 
 # -- writing -----------------------------------------------------------------------------

@@ -48,6 +48,12 @@ DTYPES = [
 StoreLocation = tuple[str, dict[str, Any]]
 
 
+@pytest.fixture(params=["zarr", "torch_dist"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The sharded backend a save/load test runs with: the suite runs for both."""
+    return str(request.param)
+
+
 @pytest.fixture
 def location(checkpoint_uri: StoreLocation) -> StoreLocation:
     """``checkpoint_uri`` with fsspec's instance cache left on.
@@ -83,10 +89,15 @@ def _values(dtype: torch.dtype, shape=(4, 6)) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_dtype_round_trips_bit_exactly(location, dtype):
+def test_every_dtype_round_trips_bit_exactly(location, dtype, backend):
     uri, options = location
     full = _values(dtype)
-    cloudckpt.save({"t": ShardedTensor.from_rank_offsets("t", full)}, uri, storage_options=options)
+    cloudckpt.save(
+        {"t": ShardedTensor.from_rank_offsets("t", full)},
+        uri,
+        sharded_strategy=(backend, 1),
+        storage_options=options,
+    )
     halves = [
         ShardedTensor.from_rank_offsets("t", torch.empty(4, 3, dtype=dtype), (1, i, 2))
         for i in (0, 1)
@@ -118,7 +129,7 @@ def test_all_zero_shards_are_stored(location):
     assert all(torch.equal(loaded[k], torch.zeros(3, 2)) for k in state)
 
 
-def test_common_state_and_metadata_json(location):
+def test_common_state_and_metadata_json(location, backend):
     uri, options = location
     assert not cloudckpt.check_is_distributed_checkpoint(uri, storage_options=options)
     cloudckpt.save(
@@ -129,6 +140,7 @@ def test_common_state_and_metadata_json(location):
             "iteration": 10,
         },
         uri,
+        sharded_strategy=(backend, 1),
         storage_options=options,
     )
     assert cloudckpt.check_is_distributed_checkpoint(uri, storage_options=options)
@@ -143,11 +155,11 @@ def test_common_state_and_metadata_json(location):
     assert isinstance(sharded["obj/shard_0_1"], ShardedObject)
 
 
-def test_metadata_json_has_exactly_megatron_keys(location):
+def test_metadata_json_has_exactly_megatron_keys(location, backend):
     uri, options = location
-    cloudckpt.save(_one(), uri, storage_options=options)
+    cloudckpt.save(_one(), uri, sharded_strategy=(backend, 1), storage_options=options)
     assert json.loads(_storage(location).read("metadata.json")) == {
-        "sharded_backend": "zarr",
+        "sharded_backend": backend,
         "sharded_backend_version": 1,
         "common_backend": "torch",
         "common_backend_version": 1,
@@ -209,11 +221,12 @@ def test_pathlib_local_path_is_accepted_and_mangled_uri_rejected(tmp_path):
         cloudckpt.load({}, pathlib.PurePosixPath("s3://bucket/key"))
 
 
-def test_dtype_and_shape_mismatch_are_reported(location):
+def test_dtype_and_shape_mismatch_are_reported(location, backend):
     uri, options = location
     cloudckpt.save(
         {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3))},
         uri,
+        sharded_strategy=(backend, 1),
         storage_options=options,
     )
     with pytest.raises(cloudckpt.CheckpointingException, match=r"stored dtype torch\.float32"):
@@ -230,11 +243,14 @@ def test_dtype_and_shape_mismatch_are_reported(location):
         )
 
 
-def test_allow_shape_mismatch_pads_and_cuts(location):
+def test_allow_shape_mismatch_pads_and_cuts(location, backend):
     uri, options = location
     stored = torch.arange(6.0).reshape(2, 3)
     cloudckpt.save(
-        {"w": ShardedTensor.from_rank_offsets("w", stored)}, uri, storage_options=options
+        {"w": ShardedTensor.from_rank_offsets("w", stored)},
+        uri,
+        sharded_strategy=(backend, 1),
+        storage_options=options,
     )
     bigger = ShardedTensor.from_rank_offsets("w", torch.empty(3, 4), allow_shape_mismatch=True)
     smaller = ShardedTensor.from_rank_offsets("w", torch.empty(1, 2), allow_shape_mismatch=True)
@@ -250,11 +266,12 @@ def test_allow_shape_mismatch_pads_and_cuts(location):
     assert torch.equal(out["small"], stored[:1, :2])
 
 
-def test_remove_sharded_tensors(location):
+def test_remove_sharded_tensors(location, backend):
     uri, options = location
     cloudckpt.save(
         {k: ShardedTensor.from_rank_offsets(k, torch.ones(2)) for k in ("opt.a", "opt.b", "w")},
         uri,
+        sharded_strategy=(backend, 1),
         storage_options=options,
     )
     cloudckpt.remove_sharded_tensors(uri, "opt.", storage_options=options)
@@ -262,13 +279,25 @@ def test_remove_sharded_tensors(location):
     assert not any(p.startswith("opt.") for p in _storage(location).list())
     plain = cloudckpt.load_plain_tensors(uri, storage_options=options)
     assert list(plain) == ["w"] and torch.equal(plain["w"], torch.ones(2))
+    # the manifest follows the edit: the checkpoint still verifies, deep
+    report = cloudckpt.verify(uri, deep=True, storage_options=options)
+    assert report.ok, report.problems
+    assert not any(key.startswith("opt.") for key in _manifest_tensor_keys(location))
+
+
+def _manifest_tensor_keys(location) -> list[str]:
+    from cloudckpt.commit import read_manifest  # noqa: PLC0415
+
+    manifest = read_manifest(_storage(location))
+    assert manifest is not None
+    return [t.key for t in manifest.tensors]
 
 
 # -- strict handling ----------------------------------------------------------------
 
 
 @pytest.fixture
-def saved(location) -> StoreLocation:
+def saved(location, backend) -> StoreLocation:
     """A checkpoint with tensors ``a``, ``b`` and the object ``obj``; ``(uri, options)``."""
     uri, options = location
     cloudckpt.save(
@@ -278,6 +307,7 @@ def saved(location) -> StoreLocation:
             "o": ShardedObject("obj", "payload", (1,), (0,)),
         },
         uri,
+        sharded_strategy=(backend, 1),
         storage_options=options,
     )
     return location

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from cloudckpt import dist
+from cloudckpt.commit import amend_manifest
 from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
 from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
 from cloudckpt.errors import (
@@ -287,10 +288,12 @@ class ZarrLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadSha
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Delete every array whose key starts with ``key_prefix``."""
         storage = self._storage(checkpoint_dir)
-        for key in TensorReader(storage).array_keys():
-            if key.startswith(key_prefix):
-                logger.info("removing tensor %s from %s", key, storage.uri)
-                storage.delete(key, recursive=True)
+        removed = [key for key in TensorReader(storage).array_keys() if key.startswith(key_prefix)]
+        for key in removed:
+            logger.info("removing tensor %s from %s", key, storage.uri)
+            storage.delete(key, recursive=True)
+        if removed:
+            amend_manifest(storage, deleted=removed, removed_tensors=removed)
 
 
 def load_zarr_based_sharded_metadata(
