@@ -4,9 +4,12 @@
 and writes it to a new URI with the chosen sharded backend, committing it with a
 manifest like any save. Tensors are copied whole, in their global shape: no parallel
 layout is involved (the copy is resharding-free), and the target backend chooses its
-own chunking. Memory stays bounded: tensors are read and written in batches of at
-most ``max_batch_bytes`` (a single larger tensor is its own batch). ShardedObjects
-and the common state are copied as they are.
+own chunking. For a zarr target memory stays bounded: tensors are read and written in
+batches of at most ``max_batch_bytes`` (a single larger tensor is its own batch). A
+torch_dist target is one DCP save (its ``.metadata`` describes every item at once),
+so the whole checkpoint's tensors are held in memory; a warning says so when that is
+more than ``max_batch_bytes``. ShardedObjects and the common state are copied as they
+are.
 
 Run it in one process (no process group needed).
 """
@@ -88,11 +91,21 @@ def convert(
         )
     )
     results: list[WriteResult] = [r for r in [claim(target)] if r is not None]
-    entries = _copy_tensors(loader, saver, (src_uri, dst_uri), results, max_batch_bytes, progress)
+    objects = _source_objects(loader, common_loader, src_uri)
+    one_save = saver.can_handle_sharded_objects  # DCP: one save writes the one .metadata
+    entries = _copy_tensors(
+        loader,
+        saver,
+        (src_uri, dst_uri),
+        results,
+        None if one_save else max_batch_bytes,
+        progress,
+        objects if one_save else {},
+    )
     common = common_loader.load_common(src_uri)
     results += common_saver.save_common(common, dst_uri) or []
-    objects = _source_objects(loader, common_loader, src_uri)
-    results += common_saver.save_sharded_objects(objects, dst_uri) or []
+    if not one_save:
+        results += common_saver.save_sharded_objects(objects, dst_uri) or []
     backends = CheckpointingConfig(saver.backend, saver.version, *COMMON_BACKEND)
     manifest = commit(target, results, backends, entries, common_key_paths(common))
     assert manifest is not None  # world of one: this process is the coordinator
@@ -113,12 +126,20 @@ def _copy_tensors(
     saver: Any,
     uris: tuple[str, str],
     results: list[WriteResult],
-    max_batch_bytes: int,
+    max_batch_bytes: int | None,
     progress: Callable[[int], None] | None,
+    objects: ShardedStateDict,
 ) -> list[TensorEntry]:
+    """Copy the tensors in batches (one batch, with ``objects``, when
+    ``max_batch_bytes`` is None)."""
     entries: list[TensorEntry] = []
-    for batch in _batches(loader.load_tensors_metadata(uris[0]), max_batch_bytes):
-        copied = _copy_batch(loader, saver, batch, *uris, results)
+    tensors = loader.load_tensors_metadata(uris[0])
+    if max_batch_bytes is None:
+        total = sum(_nbytes(sh) for sh in tensors.values() if isinstance(sh, ShardedTensor))
+        if total > DEFAULT_MAX_BATCH_BYTES:
+            logger.warning("converting to one DCP save holds %.1f GB in memory", total / 1e9)
+    for batch in _batches(tensors, max_batch_bytes):
+        copied = _copy_batch(loader, saver, batch, *uris, results, objects)
         entries += _tensor_entries(saver, copied)
         if progress is not None:
             progress(sum(_nbytes(sh) for sh in batch))
@@ -129,11 +150,11 @@ def _nbytes(sh: ShardedTensor) -> int:
     return int(torch.Size(sh.global_shape).numel()) * torch.empty((), dtype=sh.dtype).element_size()
 
 
-def _batches(tensors: ShardedStateDict, limit: int) -> Iterator[list[ShardedTensor]]:
+def _batches(tensors: ShardedStateDict, limit: int | None) -> Iterator[list[ShardedTensor]]:
     batch: list[ShardedTensor] = []
     size = 0
     for sh in (v for _, v in sorted(tensors.items()) if isinstance(v, ShardedTensor)):
-        if batch and size + _nbytes(sh) > limit:
+        if batch and limit is not None and size + _nbytes(sh) > limit:
             yield batch
             batch, size = [], 0
         batch.append(sh)
@@ -149,8 +170,10 @@ def _copy_batch(
     src_uri: str,
     dst_uri: str,
     results: list[WriteResult],
+    objects: ShardedStateDict,
 ) -> ShardedStateDict:
-    """Read ``batch`` whole from the source and write it to the destination."""
+    """Read ``batch`` whole from the source and write it (with ``objects``) to the
+    destination."""
     request = {
         sh.key: ShardedTensor.from_rank_offsets(
             sh.key, torch.empty(tuple(sh.global_shape), dtype=sh.dtype)
@@ -159,7 +182,7 @@ def _copy_batch(
     }
     loaded = loader.load(request, src_uri)
     copied = {key: ShardedTensor.from_rank_offsets(key, loaded[key]) for key in request}
-    results += saver.save(copied, dst_uri) or []
+    results += saver.save({**copied, **objects}, dst_uri) or []
     return copied
 
 
