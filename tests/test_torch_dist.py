@@ -130,10 +130,9 @@ def test_stock_dcp_load_reads_a_local_checkpoint(tmp_path):
         dcp.load(target, checkpoint_id=uri)
     assert torch.equal(target["w"], reference("w", (8, 6)))
     assert torch.equal(target["emb"], reference("emb", (4, 4), torch.bfloat16))
-    stored = target["rng_state/shard_0_1"]
-    assert isinstance(stored, io.BytesIO)  # Megatron-Core's layout: torch.save bytes inside
-    stored.seek(0)
-    assert torch.load(stored, weights_only=False) == {"seed": 11}
+    # Megatron-Core's layout: the item is the bytes of torch.save([data]), which DCP's
+    # default planner unpickles into the one-element list
+    assert target["rng_state/shard_0_1"] == [{"seed": 11}]
 
 
 def test_dcp_reader_over_cloud_storage(location):
@@ -147,27 +146,31 @@ def test_dcp_reader_over_cloud_storage(location):
 
 
 def test_common_state_as_a_dcp_item_megatron_019(location):
-    """Megatron-Core 0.19 keeps the common state as the DCP item ``common_state``."""
+    """Megatron-Core 0.19's layout: the common state is the DCP bytes item
+    ``common_state/shard_0_1`` holding ``torch.save([common])``, and metadata.json has
+    only the two sharded-backend keys."""
     uri, options = location
     storage = _fresh(location)
-    writer = CloudStorageWriter(storage)
-    state = {"w": torch.arange(4.0), "common_state": {"iteration": 9, "args": {"lr": 0.5}}}
-    dcp_save(state, writer)
-    backends = {
-        "sharded_backend": "torch_dist",
-        "sharded_backend_version": 1,
-        "common_backend": "torch",
-        "common_backend_version": 1,
-    }
-    storage.write("metadata.json", json.dumps(backends).encode())
+    common_bytes = io.BytesIO()
+    torch.save([{"iteration": 9, "args": {"lr": 0.5}}], common_bytes)
+    state = {"w": torch.arange(4.0), "common_state/shard_0_1": common_bytes}
+    dcp_save(state, CloudStorageWriter(storage))
+    storage.write(
+        "metadata.json",
+        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}).encode(),
+    )
     assert not storage.exists("common.pt")
     common = cloudckpt.load_common_state_dict(uri, storage_options=options)
     assert common == {"iteration": 9, "args": {"lr": 0.5}}
     out = cloudckpt.load(
-        {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}, uri, storage_options=options
+        {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))},
+        uri,
+        storage_options=options,
+        strict="raise_all",
     )
     assert torch.equal(out["w"], torch.arange(4.0)) and out["iteration"] == 9
-    assert "common_state" not in cloudckpt.load_sharded_metadata(uri, storage_options=options)
+    metadata = cloudckpt.load_sharded_metadata(uri, storage_options=options)
+    assert not any(key.startswith("common_state") for key in metadata)
 
 
 def test_small_objects_pack_and_large_items_split(tmp_path):

@@ -38,6 +38,12 @@ DEFAULT_BATCH_BYTES = 512 * 1024 * 1024
 ORIG_SHAPE_KEY = "nd_reformulated_orig_global_shape"
 COMMON_STATE_ITEM = "common_state"
 
+
+def is_common_state_item(key: str) -> bool:
+    """Megatron-Core 0.19 keeps the common state as the object ``common_state``
+    (item ``common_state/shard_0_1``); older drafts used a bare ``common_state``."""
+    return key == COMMON_STATE_ITEM or key.startswith(COMMON_STATE_ITEM + "/")
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 

@@ -262,11 +262,14 @@ def load_tensor_item(raw: bytes, where: str) -> torch.Tensor:
 
 
 def load_object_item(raw: bytes, weights_only: bool = False) -> Any:
-    """Decode a bytes item; a ``BytesIO`` inside (Megatron-Core's ShardedObjects) is unwrapped."""
+    """Decode a bytes item as Megatron-Core writes it, ``torch.save([data])``: the
+    one-element list is unwrapped (a ``BytesIO`` inside is decoded too)."""
     value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=weights_only)
     if isinstance(value, io.BytesIO):
         value.seek(0)
         value = torch.load(value, map_location="cpu", weights_only=weights_only)
+    if isinstance(value, list) and value:
+        value = value[0]
     return value
 
 

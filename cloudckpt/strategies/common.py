@@ -59,12 +59,16 @@ def load_dcp_common_state(storage: CheckpointStorage, weights_only: bool = False
     if not storage.exists(DCP_METADATA_FNAME):
         return None
     # imported here: it loads torch.distributed.checkpoint, which common.pt users never need
-    from cloudckpt.strategies._dcp_reader import DcpCheckpoint  # noqa: PLC0415
+    from cloudckpt.strategies._dcp_reader import (  # noqa: PLC0415
+        DcpCheckpoint,
+        is_common_state_item,
+    )
 
     checkpoint = DcpCheckpoint(storage)
-    if DCP_COMMON_STATE_ITEM not in checkpoint.object_keys():
+    items = [key for key in checkpoint.object_keys() if is_common_state_item(key)]
+    if not items:
         return None
-    return checkpoint.read_objects([DCP_COMMON_STATE_ITEM], weights_only)[DCP_COMMON_STATE_ITEM]
+    return checkpoint.read_objects(items[:1], weights_only)[items[0]]
 
 
 class TorchCommonSaveStrategy(StorageBackedMixin, SaveCommonStrategy):

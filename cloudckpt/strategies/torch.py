@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from cloudckpt.commit import amend_manifest
 from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
@@ -49,7 +50,11 @@ from cloudckpt.mapping import (
     is_main_replica,
 )
 from cloudckpt.storage import FileSystem, WriteResult
-from cloudckpt.strategies._dcp_reader import COMMON_STATE_ITEM, ORIG_SHAPE_KEY, DcpCheckpoint
+from cloudckpt.strategies._dcp_reader import (
+    ORIG_SHAPE_KEY,
+    DcpCheckpoint,
+    is_common_state_item,
+)
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.strategies.base import (
     LoadShardedStrategy,
@@ -78,7 +83,8 @@ def to_dcp_state_dict(
     """This rank's DCP state dict (main replicas only) and the per-key ``mcore_data``.
 
     ShardedTensors become CheckpointableShardedTensors (several shards of one key a
-    LocalShardsContainer); ShardedObjects become ``BytesIO`` of their ``torch.save``.
+    LocalShardsContainer); ShardedObjects become ``BytesIO`` of ``torch.save([data])``,
+    the one-element list Megatron-Core stores (and expects) for each object.
     """
     shards: dict[str, list[CheckpointableShardedTensor]] = {}
     state: dict[str, Any] = {}
@@ -90,16 +96,27 @@ def to_dcp_state_dict(
                 extra[value.key] = {ORIG_SHAPE_KEY: tuple(value.global_shape)}
         elif isinstance(value, ShardedObject) and is_main_replica(value.replica_id):
             buffer = io.BytesIO()
-            torch.save(value.data, buffer)
+            torch.save([value.data], buffer)
             state[value.unique_key] = buffer
     for key, local in shards.items():
         state[key] = local[0] if len(local) == 1 else LocalShardsContainer(list(local))
     return state, extra
 
 
+class _PackedObjectsSavePlanner(DefaultSavePlanner):
+    """DCP's default planner, except that bytes items are stored as the ``BytesIO``
+    already holds them (``torch.save([data])``, as Megatron-Core stores ShardedObjects)
+    instead of being pickled once more."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
+
+
 def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
     """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed)."""
-    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         state_dict_saver.save(state, storage_writer=writer, planner=planner)
@@ -235,7 +252,7 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, Lo
         """Tensors (as :meth:`load_tensors_metadata`) and ShardedObjects (by unique key)."""
         out = self.load_tensors_metadata(checkpoint_dir)
         for key in self._checkpoint(checkpoint_dir).object_keys():
-            if key == COMMON_STATE_ITEM:
+            if is_common_state_item(key):  # Megatron-Core 0.19's common state, not an object
                 continue
             try:
                 obj = ShardedObject.empty_from_unique_key(key)
