@@ -4,12 +4,10 @@
 and writes it to a new URI with the chosen sharded backend, committing it with a
 manifest like any save. Tensors are copied whole, in their global shape: no parallel
 layout is involved (the copy is resharding-free), and the target backend chooses its
-own chunking. For a zarr target memory stays bounded: tensors are read and written in
-batches of at most ``max_batch_bytes`` (a single larger tensor is its own batch). A
-torch_dist target is one DCP save (its ``.metadata`` describes every item at once),
-so the whole checkpoint's tensors are held in memory; a warning says so when that is
-more than ``max_batch_bytes``. ShardedObjects and the common state are copied as they
-are.
+own chunking. Memory stays bounded: tensors are read and written in batches of at
+most ``max_batch_bytes`` (a single larger tensor is its own batch); a torch_dist
+target gets one DCP save per batch and one ``.metadata`` for all of them at the end.
+ShardedObjects and the common state are copied as they are.
 
 Run it in one process (no process group needed).
 """
@@ -92,19 +90,12 @@ def convert(
     )
     results: list[WriteResult] = [r for r in [claim(target)] if r is not None]
     objects = _source_objects(loader, common_loader, src_uri)
-    one_save = saver.can_handle_sharded_objects  # DCP: one save writes the one .metadata
-    entries = _copy_tensors(
-        loader,
-        saver,
-        (src_uri, dst_uri),
-        results,
-        None if one_save else max_batch_bytes,
-        progress,
-        objects if one_save else {},
-    )
+    write = _BatchWrite(saver, dst_uri, objects, results)
+    entries = _copy_tensors(loader, saver, src_uri, write, max_batch_bytes, progress)
+    write.finish()
     common = common_loader.load_common(src_uri)
     results += common_saver.save_common(common, dst_uri) or []
-    if not one_save:
+    if not saver.can_handle_sharded_objects:
         results += common_saver.save_sharded_objects(objects, dst_uri) or []
     backends = CheckpointingConfig(saver.backend, saver.version, *COMMON_BACKEND)
     manifest = commit(target, results, backends, entries, common_key_paths(common))
@@ -121,25 +112,45 @@ def convert(
     return manifest
 
 
+class _BatchWrite:
+    """Writes the batches of copied tensors (the first with the ShardedObjects when the
+    backend stores them; torch_dist: one DCP save per batch, ``.metadata`` at
+    :meth:`finish`)."""
+
+    def __init__(
+        self, saver: Any, dst_uri: str, objects: ShardedStateDict, results: list[WriteResult]
+    ) -> None:
+        self.saver, self.dst_uri, self.results = saver, dst_uri, results
+        self.objects = objects if saver.can_handle_sharded_objects else {}
+        make = getattr(saver, "batch_writer", None)
+        self.dcp = make(dst_uri) if make is not None else None
+
+    def __call__(self, batch: ShardedStateDict) -> None:
+        state, self.objects = {**batch, **self.objects}, {}
+        if self.dcp is not None:
+            self.results += self.dcp.add(state)
+        else:
+            self.results += self.saver.save(state, self.dst_uri) or []
+
+    def finish(self) -> None:
+        if self.objects:  # no tensor batch took them: write them alone
+            self(self.objects)
+        if self.dcp is not None:
+            self.results.append(self.dcp.finish())
+
+
 def _copy_tensors(
     loader: Any,
     saver: Any,
-    uris: tuple[str, str],
-    results: list[WriteResult],
-    max_batch_bytes: int | None,
+    src_uri: str,
+    write: Callable[[ShardedStateDict], None],
+    max_batch_bytes: int,
     progress: Callable[[int], None] | None,
-    objects: ShardedStateDict,
 ) -> list[TensorEntry]:
-    """Copy the tensors in batches (one batch, with ``objects``, when
-    ``max_batch_bytes`` is None)."""
     entries: list[TensorEntry] = []
-    tensors = loader.load_tensors_metadata(uris[0])
-    if max_batch_bytes is None:
-        total = sum(_nbytes(sh) for sh in tensors.values() if isinstance(sh, ShardedTensor))
-        if total > DEFAULT_MAX_BATCH_BYTES:
-            logger.warning("converting to one DCP save holds %.1f GB in memory", total / 1e9)
-    for batch in _batches(tensors, max_batch_bytes):
-        copied = _copy_batch(loader, saver, batch, *uris, results, objects)
+    for batch in _batches(loader.load_tensors_metadata(src_uri), max_batch_bytes):
+        copied = _read_batch(loader, batch, src_uri)
+        write(copied)
         entries += _tensor_entries(saver, copied)
         if progress is not None:
             progress(sum(_nbytes(sh) for sh in batch))
@@ -150,11 +161,11 @@ def _nbytes(sh: ShardedTensor) -> int:
     return int(torch.Size(sh.global_shape).numel()) * torch.empty((), dtype=sh.dtype).element_size()
 
 
-def _batches(tensors: ShardedStateDict, limit: int | None) -> Iterator[list[ShardedTensor]]:
+def _batches(tensors: ShardedStateDict, limit: int) -> Iterator[list[ShardedTensor]]:
     batch: list[ShardedTensor] = []
     size = 0
     for sh in (v for _, v in sorted(tensors.items()) if isinstance(v, ShardedTensor)):
-        if batch and limit is not None and size + _nbytes(sh) > limit:
+        if batch and size + _nbytes(sh) > limit:
             yield batch
             batch, size = [], 0
         batch.append(sh)
@@ -163,17 +174,8 @@ def _batches(tensors: ShardedStateDict, limit: int | None) -> Iterator[list[Shar
         yield batch
 
 
-def _copy_batch(
-    loader: Any,
-    saver: Any,
-    batch: list[ShardedTensor],
-    src_uri: str,
-    dst_uri: str,
-    results: list[WriteResult],
-    objects: ShardedStateDict,
-) -> ShardedStateDict:
-    """Read ``batch`` whole from the source and write it (with ``objects``) to the
-    destination."""
+def _read_batch(loader: Any, batch: list[ShardedTensor], src_uri: str) -> ShardedStateDict:
+    """Read ``batch`` whole from the source, as whole-tensor ShardedTensors."""
     request = {
         sh.key: ShardedTensor.from_rank_offsets(
             sh.key, torch.empty(tuple(sh.global_shape), dtype=sh.dtype)
@@ -181,9 +183,7 @@ def _copy_batch(
         for sh in batch
     }
     loaded = loader.load(request, src_uri)
-    copied = {key: ShardedTensor.from_rank_offsets(key, loaded[key]) for key in request}
-    results += saver.save({**copied, **objects}, dst_uri) or []
-    return copied
+    return {key: ShardedTensor.from_rank_offsets(key, loaded[key]) for key in request}
 
 
 def _source_objects(loader: Any, common_loader: Any, src_uri: str) -> ShardedStateDict:

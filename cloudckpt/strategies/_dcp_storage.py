@@ -110,6 +110,10 @@ class CloudStorageWriter(StorageWriter):
         batch_bytes: upload objects in batches of about this many bytes.
         mcore_data: per-key extra metadata stored on ``Metadata.mcore_data`` (as
             Megatron-Core does), merged over ranks by the coordinator.
+        part: a tag in the ``.distcp`` names, so that several DCP saves can share one
+            checkpoint; with ``write_metadata=False`` the coordinator keeps the
+            ``Metadata`` in :attr:`metadata` instead of writing ``.metadata``
+            (:func:`merge_metadata` then combines the parts).
     """
 
     def __init__(
@@ -118,8 +122,14 @@ class CloudStorageWriter(StorageWriter):
         object_size: int = DEFAULT_OBJECT_SIZE,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         mcore_data: dict[str, dict[str, Any]] | None = None,
+        *,
+        part: str = "",
+        write_metadata: bool = True,
     ) -> None:
         super().__init__()
+        self.part = part
+        self.write_metadata = write_metadata
+        self.metadata: Metadata | None = None
         self.storage = storage
         self.object_size = object_size
         self.batch_bytes = batch_bytes
@@ -143,7 +153,10 @@ class CloudStorageWriter(StorageWriter):
         for plan in plans:
             if isinstance(plan.storage_data, dict):
                 self.mcore_data.update(plan.storage_data)
-        return [replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+        return [
+            replace(p, storage_data=_StoragePrefix(f"__{i}_{self.part}"))
+            for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[DcpWriteResult]]:
         prefix: _StoragePrefix = plan.storage_data
@@ -192,7 +205,9 @@ class CloudStorageWriter(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         if self.mcore_data:
             metadata.mcore_data = self.mcore_data  # type: ignore[attr-defined]
-        self.results.append(self.storage.write(METADATA_FNAME, pickle.dumps(metadata)))
+        self.metadata = metadata
+        if self.write_metadata:
+            self.results.append(self.storage.write(METADATA_FNAME, pickle.dumps(metadata)))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
@@ -204,6 +219,22 @@ class CloudStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def merge_metadata(parts: list[Metadata]) -> Metadata:
+    """One ``Metadata`` describing the items of several DCP saves into one checkpoint
+    (their keys must be distinct)."""
+    merged = parts[0]
+    for part in parts[1:]:
+        clash = set(merged.state_dict_metadata) & set(part.state_dict_metadata)
+        if clash:
+            raise CheckpointingException(f"keys saved twice: {sorted(clash)[:10]}")
+        merged.state_dict_metadata.update(part.state_dict_metadata)
+        merged.storage_data = {**(merged.storage_data or {}), **(part.storage_data or {})}
+        extra = getattr(part, "mcore_data", None)
+        if extra:
+            merged.mcore_data = {**getattr(merged, "mcore_data", {}), **extra}  # type: ignore[attr-defined]
+    return merged
 
 
 def read_metadata(storage: CheckpointStorage) -> Metadata:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from cloudckpt.commit import amend_manifest
@@ -55,7 +56,11 @@ from cloudckpt.strategies._dcp_reader import (
     DcpCheckpoint,
     is_common_state_item,
 )
-from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
+from cloudckpt.strategies._dcp_storage import (
+    METADATA_FNAME,
+    CloudStorageWriter,
+    merge_metadata,
+)
 from cloudckpt.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
@@ -193,6 +198,44 @@ class TorchDistSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
                 f"saving the torch_dist part of checkpoint {storage.uri!r} failed: {exc}"
             ) from exc
         return writer.results
+
+    def batch_writer(self, checkpoint_dir: str) -> DcpBatchWriter:
+        """A writer of this checkpoint in several DCP saves (see :class:`DcpBatchWriter`)."""
+        return DcpBatchWriter(self, checkpoint_dir)
+
+
+class DcpBatchWriter:
+    """Write one torch_dist checkpoint in several DCP saves (single process), for
+    :func:`cloudckpt.convert.convert`: each :meth:`add` writes its ``.distcp`` objects,
+    :meth:`finish` writes the one ``.metadata`` describing all of them."""
+
+    def __init__(self, strategy: TorchDistSaveShardedStrategy, checkpoint_dir: str) -> None:
+        self.strategy = strategy
+        self.storage = strategy._storage(checkpoint_dir)
+        self.parts: list[Metadata] = []
+
+    def add(self, sharded_state_dict: ShardedStateDict) -> list[WriteResult]:
+        """Write one batch's items; returns their write results."""
+        state, extra = to_dcp_state_dict(sharded_state_dict)
+        writer = CloudStorageWriter(
+            self.storage,
+            self.strategy._object_size(),
+            self.strategy._batch_bytes(),
+            extra,
+            part=f"{len(self.parts)}_",
+            write_metadata=False,
+        )
+        dcp_save(state, writer)
+        assert writer.metadata is not None  # a single process is the coordinator
+        self.parts.append(writer.metadata)
+        return writer.results
+
+    def finish(self) -> WriteResult:
+        """Write ``.metadata`` for every batch added."""
+        if not self.parts:
+            raise CheckpointingException(f"no batch was written to {self.storage.uri!r}")
+        metadata = merge_metadata(self.parts)
+        return self.storage.write(METADATA_FNAME, pickle.dumps(metadata))
 
 
 class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadShardedStrategy):
