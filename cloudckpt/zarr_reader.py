@@ -124,6 +124,7 @@ class TensorReader:
     ) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         jobs: list[tuple[ReadRequest, memoryview]] = []
+        filled: list[tuple[ShardedTensor, torch.Tensor]] = []
         staged = []
         for sh in batch:
             meta = metas[sh.key]
@@ -137,8 +138,11 @@ class TensorReader:
                 (d.request, view[d.out_start * size : (d.out_start + d.length) * size])
                 for d in direct
             ]
-            out[id(sh)] = _finish(sh, result.reshape(_result_shape(sh)))
+            filled.append((sh, result))
         self.storage.read_into_many(jobs)
+        # only now: _finish may copy to the requested device, which must see the bytes
+        for sh, result in filled:
+            out[id(sh)] = _finish(sh, result.reshape(_result_shape(sh)))
         out.update(self._load_staged(staged, metas))
         return out
 
