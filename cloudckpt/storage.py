@@ -201,7 +201,13 @@ def _s3_client_defaults(options: dict[str, Any], max_in_flight: int) -> dict[str
     retries.setdefault("mode", "standard")
     retries.setdefault("max_attempts", 5)
     client_kwargs = copy.deepcopy(dict(options.get("client_kwargs") or {}))
-    return {**options, "config_kwargs": config_kwargs, "client_kwargs": client_kwargs}
+    return {
+        # other jobs write the same bucket: listings must not come from a cache
+        "use_listings_cache": False,
+        **options,
+        "config_kwargs": config_kwargs,
+        "client_kwargs": client_kwargs,
+    }
 
 
 async def _s3_send_once(fs: Any, method: str, **kwargs: Any) -> Any:
@@ -276,6 +282,8 @@ class CheckpointStorage:
         options = resolve_storage_options(protocol, storage_options, self.config)
         if protocol in S3_PROTOCOLS:
             options = _s3_client_defaults(options, self.max_in_flight)
+        elif protocol in GCS_PROTOCOLS:
+            options = {"use_listings_cache": False, **options}
         try:
             fs, root = fsspec.core.url_to_fs(raw_uri, **options)
         except (ImportError, ValueError, TypeError) as exc:
@@ -323,17 +331,33 @@ class CheckpointStorage:
         try:
             if self._is_s3:
                 self._s3_put(path, view, checksum, IfNoneMatch="*")
+            elif self._is_local:
+                # a real O_EXCL open: fsspec's pipe_file(mode="create") checks, then opens
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                with self._slots, self.fs.open(path, "xb") as f:
+                    f.write(view)
             else:
-                if self._is_local:
-                    self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
                 with self._slots:
                     self.fs.pipe_file(path, view, mode="create")
         except FileExistsError as exc:
             raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
         except Exception as exc:
-            if _error_code(exc) in PRECONDITION_FAILED:
+            if _error_code(exc) not in PRECONDITION_FAILED:
+                raise StorageError(f"failed to create {self.child_uri(relpath)}: {exc}") from exc
+            if not self._is_our_object(relpath, view.nbytes, checksum):
                 raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
-            raise StorageError(f"failed to create {self.child_uri(relpath)}: {exc}") from exc
+
+    def _is_our_object(self, relpath: str, size: int, checksum: int) -> bool:
+        """After a 412: did an earlier attempt of this very request (retried by botocore
+        when its response was lost) create the object? Same size and CRC-32C: yes."""
+        try:
+            stored = self._read(relpath)
+        except StorageError:
+            return False
+        ours = len(stored) == size and crc32c(stored) == checksum
+        if ours:
+            logger.info("%s: a retried create found its own first attempt", self.child_uri(relpath))
+        return ours
 
     @property
     def enforces_exclusive_writes(self) -> bool | None:
