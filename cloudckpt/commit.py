@@ -42,7 +42,7 @@ from cloudckpt.manifest import (
     TensorEntry,
     merge_entries,
 )
-from cloudckpt.storage import CheckpointStorage, WriteResult
+from cloudckpt.storage import CheckpointStorage, WriteResult, crc32c
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +173,8 @@ def commit(
     backends: CheckpointingConfig,
     tensors: Sequence[TensorEntry] = (),
     common_keys: Sequence[str] = (),
+    *,
+    claimed: WriteResult | None = None,
 ) -> Manifest | None:
     """Gather every rank's write results; the coordinator writes ``manifest.json``
     (create-only) and then ``metadata.json``. Collective.
@@ -182,6 +184,8 @@ def commit(
         backends: what ``metadata.json`` records.
         tensors: this rank's tensors (merged over ranks by key).
         common_keys: the common state's key paths (from the rank that saved it).
+        claimed: the coordinator's claim; the commit is refused when the claim was
+            removed or replaced meanwhile (``cloudckpt gc``, another job).
 
     Returns:
         The manifest on the coordinator, None on the other ranks.
@@ -198,11 +202,26 @@ def commit(
         all_tensors = {t.key: t for _, rank_tensors, _ in gathered for t in rank_tensors}
         keys = sorted({k for _, _, rank_keys in gathered for k in rank_keys})
         try:
+            _check_claim(storage, claimed)
             manifest = _write_commit(storage, per_rank, backends, list(all_tensors.values()), keys)
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
     dist.raise_if_any_rank_failed(error, f"committing checkpoint {storage.uri!r}")
     return manifest
+
+
+def _check_claim(storage: CheckpointStorage, claimed: WriteResult | None) -> None:
+    if claimed is None:
+        return
+    try:
+        current = storage.read(CLAIM_FNAME)
+    except CheckpointNotFoundError:
+        current = b""
+    if crc32c(current) != claimed.crc32c or len(current) != claimed.size:
+        raise CommitConflictError(
+            f"checkpoint {storage.uri!r}: this save's {CLAIM_FNAME} was removed or replaced "
+            "while it wrote (by `cloudckpt gc` or another job); not committing"
+        )
 
 
 def _write_commit(

@@ -28,7 +28,7 @@ from cloudckpt.commit import (
     read_manifest,
     require_committed,
 )
-from cloudckpt.config import CheckpointConfig
+from cloudckpt.config import CheckpointConfig, redact_uri
 from cloudckpt.core import CheckpointingConfig, load_config
 from cloudckpt.dict_utils import (
     dict_list_map_outplace,
@@ -185,28 +185,47 @@ def save(
         config,
     )
     storage = _open(uri, sharded_saver, storage_options)
+    shown = storage.uri  # the URI with any secret redacted, for messages
     _require_empty_destination(storage)
-    apply_factories(sharded_state_dict)
-    parts = _split_state_dict(sharded_state_dict)
-    objects, tensors, common, _ = parts
-    local_metadata = _local_metadata(objects, uri) + _local_metadata(tensors, uri)
-    if validate_access_integrity:
-        validate_sharding_integrity(dist.all_gather_object(local_metadata), uri)
+    parts = _prepare(sharded_state_dict, shown, validate_access_integrity)
+    _, tensors, common, _ = parts
     claimed = claim(storage)
     error: BaseException | None = None
     results: list[WriteResult] = [claimed] if claimed is not None else []
     try:
         results += _write_parts(sharded_saver, common_saver, uri, parts)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-        logger.error("rank %d failed to save %s: %s", dist.get_rank(), uri, exc)
+        logger.error("rank %d failed to save %s: %s", dist.get_rank(), shown, exc)
         error = exc
-    dist.raise_if_any_rank_failed(error, f"saving checkpoint {uri!r}")
+    dist.raise_if_any_rank_failed(error, f"saving checkpoint {shown!r}")
     backends = CheckpointingConfig(
         sharded_saver.backend, sharded_saver.version, common_saver.backend, common_saver.version
     )
     common_keys = common_key_paths(common) if dist.get_rank() == 0 else []
-    commit(storage, results, backends, _tensor_entries(sharded_saver, tensors), common_keys)
-    _log_rate("saved", uri, sum(r.size for r in results), len(results), started)
+    entries = _tensor_entries(sharded_saver, tensors)
+    commit(storage, results, backends, entries, common_keys, claimed=claimed)
+    _log_rate("saved", shown, sum(r.size for r in results), len(results), started)
+
+
+def _prepare(
+    sharded_state_dict: ShardedStateDict, shown: str, validate: bool
+) -> tuple[ShardedStateDict, ShardedStateDict, StateDict, ShardedStateDict]:
+    """Apply factories, split, check keys and (collectively) the sharding. A local
+    failure (a bad key, a factory error) is raised on every rank, naming the rank."""
+    error: BaseException | None = None
+    parts: Any = None
+    local_metadata: list[ShardedBase] = []
+    try:
+        apply_factories(sharded_state_dict)
+        parts = _split_state_dict(sharded_state_dict)
+        local_metadata = _local_metadata(parts[0], shown) + _local_metadata(parts[1], shown)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        error = exc
+    dist.raise_if_any_rank_failed(error, f"preparing checkpoint {shown!r}")
+    if validate:
+        validate_sharding_integrity(dist.all_gather_object(local_metadata), shown)
+    result: tuple[ShardedStateDict, ShardedStateDict, StateDict, ShardedStateDict] = parts
+    return result
 
 
 def _write_parts(
@@ -434,7 +453,7 @@ def load(
     merge(common_state, _unwrap(nonpersistent))
     tensors_loaded = [t for t in nested_values(loaded) if isinstance(t, torch.Tensor)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors_loaded)
-    _log_rate("loaded", uri, nbytes, len(tensors_loaded), started)
+    _log_rate("loaded", storage.uri, nbytes, len(tensors_loaded), started)
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return common_state, missing, unexpected
     return common_state
@@ -468,6 +487,7 @@ def _apply_strictness(
     checkpoint_metadata: Callable[[], ShardedStateDict],
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
     """Validate the requested sharding and handle missing / unexpected keys per ``strict``."""
+    uri = redact_uri(uri)  # only used in messages here
     local = _local_metadata(sharded, uri)
     needs_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
     global_metadata = dist.all_gather_object(local) if needs_global else [local]
@@ -489,7 +509,7 @@ def _apply_strictness(
 def _report_mismatch(
     uri: str, strict: StrictHandling, missing: set[str], unexpected: set[str]
 ) -> None:
-    where = f"checkpoint {uri!r}, rank {dist.get_rank()}"
+    where = f"checkpoint {redact_uri(uri)!r}, rank {dist.get_rank()}"
     if strict in (StrictHandling.RAISE_ALL,) and missing:
         raise MissingKeysError(f"{where}: requested keys not in the checkpoint: {sorted(missing)}")
     if strict in (StrictHandling.RAISE_ALL, StrictHandling.RAISE_UNEXPECTED) and unexpected:
