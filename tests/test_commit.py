@@ -157,7 +157,7 @@ def test_save_writes_claim_manifest_and_metadata_last(
     storage.fs.connect()
 
     def record(params: dict[str, Any], model: Any, **_: Any) -> None:
-        calls.append(model.name)
+        calls.append(f"{model.name} {params.get('Key', '').rsplit('/', 1)[-1]}")
         if model.name in ("PutObject", "CreateMultipartUpload"):
             puts.append(params["Key"].rsplit("iter_0000001/", 1)[1])
 
@@ -167,8 +167,9 @@ def test_save_writes_claim_manifest_and_metadata_last(
     )
     assert puts[0] == CLAIM_FNAME
     assert puts[-2:] == [MANIFEST_FNAME, "metadata.json"]
-    # the manifest comes from the ranks' write results: nothing is read back
-    assert "GetObject" not in calls, calls
+    # the manifest comes from the ranks' write results: no data object is read back,
+    # only the small claim (to check that it is still this save's)
+    assert [c for c in calls if c.startswith("GetObject")] == [f"GetObject {CLAIM_FNAME}"]
     manifest = commit_mod.read_manifest(storage)
     assert manifest is not None
     listed = storage.list_sizes()
@@ -316,3 +317,56 @@ def test_two_jobs_saving_one_uri_exactly_one_commits(
 
     report = verify(uri, deep=True, storage_options=options)
     assert report.ok, report.problems
+
+
+def test_local_create_only_writes_have_exactly_one_winner(tmp_path) -> None:
+    """O_EXCL, not check-then-write: racing threads never both create the object."""
+    import threading  # noqa: PLC0415
+
+    for trial in range(30):
+        storage = CheckpointStorage(str(tmp_path / f"t{trial}"))
+        start, wins = threading.Barrier(6), []
+
+        def race(n: int, storage: CheckpointStorage = storage, start=start, wins=wins) -> None:
+            start.wait()
+            try:
+                storage.write("claim.json", f"writer {n}".encode(), exclusive=True)
+                wins.append(n)
+            except ObjectExistsError:
+                pass
+
+        threads = [threading.Thread(target=race, args=(n,)) for n in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(wins) == 1, (trial, wins)
+        assert storage.read("claim.json") == f"writer {wins[0]}".encode()
+
+
+def test_commit_refuses_when_the_claim_was_replaced(tmp_path) -> None:
+    """gc (or another job) replaced this save's claim while it wrote: no commit."""
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    claimed = commit_mod.claim(storage)
+    assert claimed is not None
+    storage.delete(CLAIM_FNAME)
+    storage.write(CLAIM_FNAME, b'{"job": "someone else"}')
+    with pytest.raises(CommitConflictError, match="removed or replaced"):
+        commit_mod.commit(storage, [claimed], CheckpointingConfig("zarr"), claimed=claimed)
+    assert not storage.exists(MANIFEST_FNAME) and not storage.exists("metadata.json")
+
+
+def test_a_failure_before_the_first_collective_reaches_every_rank(rank_pool, tmp_path) -> None:
+    """A bad key on one rank is raised on every rank, naming that rank (no hang)."""
+    outcomes = rank_pool.run(_bad_key_on_rank_1, str(tmp_path / "ckpt"))
+    assert all("rank 1" in text and "invalid key" in text for text in outcomes), outcomes
+
+
+def _bad_key_on_rank_1(rank: int, world: int, uri: str) -> str:
+    key = "bad//key" if rank == 1 else "good"
+    state = {"x": ShardedTensor.from_rank_offsets(key, torch.ones(2), (0, rank, world))}
+    try:
+        cloudckpt.save(state, uri)
+    except CheckpointingException as exc:
+        return str(exc)
+    return "no error"

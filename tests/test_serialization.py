@@ -388,3 +388,10 @@ def test_zarr_flatten_range_and_pad_to_expected_shape():
     assert pad_to_expected_shape(x, plain) is x
     with pytest.raises(cloudckpt.CheckpointingException, match="'w'"):
         pad_to_expected_shape(torch.zeros(3), wide)
+
+
+def test_messages_never_show_a_password_in_the_uri():
+    uri = "memory://user:S3CRET@bucket/ckpt-redaction"
+    with pytest.raises(InvalidKeyError) as info:
+        cloudckpt.save({"x": ShardedTensor.from_rank_offsets("a//b", torch.ones(2))}, uri)
+    assert "S3CRET" not in str(info.value) and "user:***@" in str(info.value)

@@ -290,3 +290,26 @@ def test_every_backend(checkpoint_uri: StoreLocation) -> None:
     assert remove_checkpoint(second, storage_options=options) == stored == 6
     assert list_checkpoints(parent, storage_options=options) == []
     assert latest(parent, storage_options=options) is None
+
+
+def _save_in_another_process(uri: str, options: dict) -> None:
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
+    cloudckpt.save(state, uri, storage_options=options)
+
+
+def test_latest_sees_checkpoints_committed_by_other_processes(s3_bucket) -> None:
+    """No listing cache: a poller in one process sees another job's new checkpoint."""
+    import multiprocessing as mp  # noqa: PLC0415
+
+    bucket_uri, options = s3_bucket
+    shared = {k: v for k, v in options.items() if k != "skip_instance_cache"}
+    parent = f"{bucket_uri}/poll"
+    ctx = mp.get_context("spawn")
+    for step in (1, 2):
+        job = ctx.Process(
+            target=_save_in_another_process, args=(f"{parent}/iter_{step:07d}", shared)
+        )
+        job.start()
+        job.join(timeout=120)
+        assert job.exitcode == 0
+        assert latest(parent, storage_options=shared) == f"{parent}/iter_{step:07d}"
