@@ -690,7 +690,10 @@ class CheckpointStorage:
         progress = Progress("read", self.uri, sum(v.nbytes for _, _, v in ranges), len(items))
         self.map(lambda r: self._read_range_into(r[0], r[2], r[1], progress), ranges)
         self.map(lambda rv: self._check_whole_buffer(*rv), direct)
-        self.map(lambda rv: self._read_whole_into(*rv), checked)
+        by_object: dict[str, builtins.list[tuple[ReadRequest, memoryview]]] = {}
+        for request, view in checked:
+            by_object.setdefault(request.path, []).append((request, view))
+        self.map(lambda path: self._read_whole_into(by_object[path]), builtins.list(by_object))
         progress.finish()
 
     def _needs_whole_read(self, request: ReadRequest, view: memoryview) -> bool:
@@ -703,10 +706,14 @@ class CheckpointStorage:
         if entry is not None and request.start == 0 and view.nbytes == entry.size:
             self._check_whole(request.path, view)
 
-    def _read_whole_into(self, request: ReadRequest, view: memoryview) -> None:
-        self._check_range(request.path, request.start, request.start + view.nbytes)
-        data = self.read(request.path)
-        view[:] = memoryview(data)[request.start : request.start + view.nbytes]
+    def _read_whole_into(self, requests: builtins.list[tuple[ReadRequest, memoryview]]) -> None:
+        """Read one object whole (checked against the manifest) once and fill every
+        buffer that needs a part of it."""
+        for request, view in requests:
+            self._check_range(request.path, request.start, request.start + view.nbytes)
+        data = memoryview(self.read(requests[0][0].path))
+        for request, view in requests:
+            view[:] = data[request.start : request.start + view.nbytes]
 
     def _read_ranges(self, nbytes: int) -> builtins.list[tuple[int, int]]:
         if self._is_local or nbytes <= self.part_size:

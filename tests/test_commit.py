@@ -249,6 +249,12 @@ def test_partial_reads_are_size_checked_and_crc_checked_on_request(tmp_path) -> 
     full = _state()
     cloudckpt.save(full, uri)
     storage = CheckpointStorage(uri)
+    halves = {
+        f"w{i}": ShardedTensor.from_rank_offsets("w", torch.empty(32, 32), (0, i, 2))
+        for i in range(2)
+    }
+    checked = cloudckpt.load(halves, uri, verify_checksums=True)  # one object, read once
+    assert torch.equal(torch.cat([checked["w0"], checked["w1"]]), full["w"].data)
     data = bytearray(storage.read("w/0.0"))
     data[-1] ^= 0x01  # corrupt the last row only
     storage.write("w/0.0", bytes(data))
