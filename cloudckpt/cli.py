@@ -174,14 +174,11 @@ def _add_store_options(
         help="a training config whose 'cloudckpt' section (or the whole file) sets "
         "storage_options, part_size and max_in_flight",
     )
-    add(
+    _add_storage_option_flag(
+        parser,
         "--storage-option",
-        metavar="KEY=VALUE",
-        type=_storage_option,
-        action="append",
-        default=[],
-        dest="storage_options",
-        help="an fsspec storage option (repeatable; VALUE is parsed as JSON when it is JSON, "
+        "storage_options",
+        "an fsspec storage option (repeatable; VALUE is parsed as JSON when it is JSON, "
         'e.g. endpoint_url=http://127.0.0.1:9000 or client_kwargs=\'{"region_name": '
         '"eu-west-1"}\'); overrides --config and the environment',
     )
@@ -193,6 +190,20 @@ def _add_store_options(
             action=argparse.BooleanOptionalAction,
             help="show a progress bar on stderr (default: when stderr is a terminal)",
         )
+
+
+def _add_storage_option_flag(
+    parser: argparse.ArgumentParser, flag: str, dest: str, help_text: str
+) -> None:
+    parser.add_argument(
+        flag,
+        metavar="KEY=VALUE",
+        type=_storage_option,
+        action="append",
+        default=[],
+        dest=dest,
+        help=help_text,
+    )
 
 
 def _show_progress(args: argparse.Namespace) -> bool:
@@ -449,15 +460,12 @@ def _add_convert(subparsers: Subparsers) -> None:
         help="tensor MiB read and written at once (default 1024; a larger tensor is its own "
         "batch)",
     )
-    parser.add_argument(
+    _add_storage_option_flag(
+        parser,
         "--dst-storage-option",
-        metavar="KEY=VALUE",
-        type=_storage_option,
-        action="append",
-        default=[],
-        dest="dst_storage_options",
-        help="a storage option for the destination only (repeatable; overrides "
-        "--storage-option there)",
+        "dst_storage_options",
+        "a storage option for the destination only (repeatable; overrides --storage-option "
+        "there)",
     )
     _add_store_options(parser, with_json=True, with_progress=True)
     parser.set_defaults(handler=_cmd_convert)
