@@ -5,49 +5,127 @@ with :class:`ShardedTensor` / :class:`ShardedObject` / :class:`ShardedTensorFact
 and call :func:`save` / :func:`load` with a URI (a local path, ``s3://``, ``gs://``
 or any other fsspec protocol). A save commits with a manifest; :func:`verify`,
 :func:`latest` and :func:`list_checkpoints` check and find checkpoints.
+
+The names below are imported on first use (PEP 562), so that ``import cloudckpt`` and
+the command lines that need no tensors (``cloudckpt ls``, ``verify``, ``gc``, ``rm``)
+do not pay for importing torch.
 """
 
-from cloudckpt import config
-from cloudckpt.checker import ConsistencyReport, Problem, verify
-from cloudckpt.config import CheckpointConfig
-from cloudckpt.core import CheckpointingConfig
-from cloudckpt.errors import (
-    CheckpointingException,
-    CheckpointNotFoundError,
-    CommitConflictError,
-    CorruptObjectError,
-    DistributedCheckpointError,
-    IncompatibleCheckpointError,
-    InvalidKeyError,
-    MissingKeysError,
-    ShardingValidationError,
-    StorageError,
-    UncommittedCheckpointError,
-    UnexpectedKeysError,
-)
-from cloudckpt.mapping import (
-    LocalNonpersistentObject,
-    ShardedObject,
-    ShardedTensor,
-    ShardedTensorFactory,
-    apply_factories,
-    apply_factory_merges,
-    is_main_replica,
-)
-from cloudckpt.serialization import (
-    check_is_distributed_checkpoint,
-    load,
-    load_common_state_dict,
-    load_plain_tensors,
-    load_sharded_metadata,
-    load_tensors_metadata,
-    remove_sharded_tensors,
-    save,
-)
-from cloudckpt.tracker import CheckpointInfo, latest, list_checkpoints
-from cloudckpt.validation import StrictHandling
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cloudckpt import config
+    from cloudckpt.checker import ConsistencyReport, Problem, verify
+    from cloudckpt.config import CheckpointConfig
+    from cloudckpt.core import CheckpointingConfig
+    from cloudckpt.errors import (
+        CheckpointingException,
+        CheckpointNotFoundError,
+        CommitConflictError,
+        CorruptObjectError,
+        DistributedCheckpointError,
+        IncompatibleCheckpointError,
+        InvalidKeyError,
+        MissingKeysError,
+        ShardingValidationError,
+        StorageError,
+        UncommittedCheckpointError,
+        UnexpectedKeysError,
+    )
+    from cloudckpt.mapping import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+        apply_factories,
+        apply_factory_merges,
+        is_main_replica,
+    )
+    from cloudckpt.serialization import (
+        check_is_distributed_checkpoint,
+        load,
+        load_common_state_dict,
+        load_plain_tensors,
+        load_sharded_metadata,
+        load_tensors_metadata,
+        remove_sharded_tensors,
+        save,
+    )
+    from cloudckpt.tracker import CheckpointInfo, latest, list_checkpoints
+    from cloudckpt.validation import StrictHandling
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LAZY: dict[str, str] = {
+    "config": "cloudckpt.config",
+    **dict.fromkeys(("ConsistencyReport", "Problem", "verify"), "cloudckpt.checker"),
+    "CheckpointConfig": "cloudckpt.config",
+    "CheckpointingConfig": "cloudckpt.core",
+    **dict.fromkeys(
+        (
+            "CheckpointingException",
+            "CheckpointNotFoundError",
+            "CommitConflictError",
+            "CorruptObjectError",
+            "DistributedCheckpointError",
+            "IncompatibleCheckpointError",
+            "InvalidKeyError",
+            "MissingKeysError",
+            "ShardingValidationError",
+            "StorageError",
+            "UncommittedCheckpointError",
+            "UnexpectedKeysError",
+        ),
+        "cloudckpt.errors",
+    ),
+    **dict.fromkeys(
+        (
+            "LocalNonpersistentObject",
+            "ShardedObject",
+            "ShardedTensor",
+            "ShardedTensorFactory",
+            "apply_factories",
+            "apply_factory_merges",
+            "is_main_replica",
+        ),
+        "cloudckpt.mapping",
+    ),
+    **dict.fromkeys(
+        (
+            "check_is_distributed_checkpoint",
+            "load",
+            "load_common_state_dict",
+            "load_plain_tensors",
+            "load_sharded_metadata",
+            "load_tensors_metadata",
+            "remove_sharded_tensors",
+            "save",
+        ),
+        "cloudckpt.serialization",
+    ),
+    **dict.fromkeys(("CheckpointInfo", "latest", "list_checkpoints"), "cloudckpt.tracker"),
+    "StrictHandling": "cloudckpt.validation",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access (PEP 562) and cache the name."""
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if name == "config" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CheckpointConfig",

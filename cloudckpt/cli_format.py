@@ -24,8 +24,6 @@ from cloudckpt.config import CheckpointConfig, redact_uri
 from cloudckpt.core import maybe_load_config
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.manifest import Manifest, TensorEntry
-from cloudckpt.mapping import ShardedTensor
-from cloudckpt.serialization import load_common_state_dict, load_tensors_metadata
 from cloudckpt.storage import CheckpointStorage, open_checkpoint
 from cloudckpt.tracker import REASON_STALE_UPLOAD, CheckpointInfo, GcReport
 
@@ -222,6 +220,13 @@ def describe(
 def _describe_foreign(storage: CheckpointStorage, uri: str, kwargs: dict[str, Any]) -> Description:
     """Tensors from their metadata (no chunking known), common keys from the common
     state's top level, objects from the listing."""
+    # only a foreign checkpoint needs torch: `inspect` of a cloudckpt one does not load it
+    from cloudckpt.mapping import ShardedTensor  # noqa: PLC0415
+    from cloudckpt.serialization import (  # noqa: PLC0415
+        load_common_state_dict,
+        load_tensors_metadata,
+    )
+
     metadata = maybe_load_config(storage)
     sizes = storage.list_sizes()
     tensors = [

@@ -26,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cloudckpt import dist
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -148,22 +147,20 @@ def claim(storage: CheckpointStorage) -> WriteResult | None:
     Raises:
         CommitConflictError: on every rank, when another job claimed the URI first.
     """
-    error: BaseException | None = None
+    from cloudckpt import dist  # noqa: PLC0415 - torch only for saves, not for ls/verify/gc
+
     result = None
-    if dist.get_rank() == COORDINATOR:
-        _warn_if_not_exclusive(storage)
-        try:
-            result = storage.write(CLAIM_FNAME, _claim_document(), exclusive=True)
-        except ObjectExistsError as exc:
-            error = CommitConflictError(
-                f"checkpoint {storage.uri!r} is already being written or was written by "
-                f"another job ({CLAIM_FNAME} exists: {describe_claim(storage)}); choose a "
-                "new URI"
-            )
-            error.__cause__ = exc
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-            error = exc
-    dist.raise_if_any_rank_failed(error, f"claiming checkpoint {storage.uri!r}")
+    with dist.agree(f"claiming checkpoint {storage.uri!r}"):
+        if dist.get_rank() == COORDINATOR:
+            _warn_if_not_exclusive(storage)
+            try:
+                result = storage.write(CLAIM_FNAME, _claim_document(), exclusive=True)
+            except ObjectExistsError as exc:
+                raise CommitConflictError(
+                    f"checkpoint {storage.uri!r} is already being written or was written by "
+                    f"another job ({CLAIM_FNAME} exists: {describe_claim(storage)}); choose "
+                    "a new URI"
+                ) from exc
     return result
 
 
@@ -193,20 +190,18 @@ def commit(
     Raises:
         CommitConflictError: on every rank, when ``manifest.json`` already exists.
     """
+    from cloudckpt import dist  # noqa: PLC0415 - torch only for saves, not for ls/verify/gc
+
     entries = [ManifestEntry(r.path, r.size, r.crc32c) for r in results]
     gathered = dist.all_gather_object((entries, list(tensors), list(common_keys)))
-    error: BaseException | None = None
     manifest = None
-    if dist.get_rank() == COORDINATOR:
-        per_rank = [rank_entries for rank_entries, _, _ in gathered]
-        all_tensors = {t.key: t for _, rank_tensors, _ in gathered for t in rank_tensors}
-        keys = sorted({k for _, _, rank_keys in gathered for k in rank_keys})
-        try:
+    with dist.agree(f"committing checkpoint {storage.uri!r}"):
+        if dist.get_rank() == COORDINATOR:
+            per_rank = [rank_entries for rank_entries, _, _ in gathered]
+            all_tensors = {t.key: t for _, rank_tensors, _ in gathered for t in rank_tensors}
+            keys = sorted({k for _, _, rank_keys in gathered for k in rank_keys})
             _check_claim(storage, claimed)
             manifest = _write_commit(storage, per_rank, backends, list(all_tensors.values()), keys)
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-            error = exc
-    dist.raise_if_any_rank_failed(error, f"committing checkpoint {storage.uri!r}")
     return manifest
 
 
@@ -258,6 +253,8 @@ def _write_commit(
 
 
 def _claim_document() -> bytes:
+    from cloudckpt import dist  # noqa: PLC0415 - torch only for saves, not for ls/verify/gc
+
     doc = {
         "job": uuid.uuid4().hex,
         "host": socket.gethostname(),
