@@ -74,6 +74,7 @@ from cloudckpt.transfer import (
 __all__ = [
     "CheckpointStorage",
     "FileSystem",
+    "MissingDependencyError",
     "OpenUpload",
     "ReadRequest",
     "WriteResult",
@@ -190,6 +191,36 @@ def _uri_protocol(uri: str) -> str:
     return protocol or "file"
 
 
+class MissingDependencyError(StorageError):
+    """The URI's store needs a package that is not installed (e.g. s3fs for ``s3://``).
+
+    ``extra`` is the cloudckpt extra that installs it (``"s3"``, ``"gcs"``), or ``""``.
+    """
+
+    def __init__(self, message: str, extra: str = "") -> None:
+        super().__init__(message)
+        self.extra = extra
+
+
+# protocol -> (the package its fsspec filesystem lives in, the cloudckpt extra installing it)
+_STORE_EXTRAS = {
+    **dict.fromkeys(S3_PROTOCOLS, ("s3fs", "s3")),
+    **dict.fromkeys(GCS_PROTOCOLS, ("gcsfs", "gcs")),
+}
+
+
+def _missing_dependency(protocol: str, uri: str, exc: ImportError) -> MissingDependencyError:
+    if protocol not in _STORE_EXTRAS:
+        return MissingDependencyError(f"cannot open {uri}: {exc}")
+    package, extra = _STORE_EXTRAS[protocol]
+    return MissingDependencyError(
+        f"cannot open {uri}: {protocol}:// URIs need {package}, which is not installed "
+        f"(or failed to import: {exc}); install it with: pip install 'cloudckpt[{extra}]' "
+        "(or 'cloudckpt[all]' for every object store)",
+        extra,
+    )
+
+
 def _s3_client_defaults(options: dict[str, Any], max_in_flight: int) -> dict[str, Any]:
     """s3fs options with a connection pool for ``max_in_flight`` requests and botocore's
     standard retry mode (which rewinds request bodies between attempts); explicit
@@ -286,7 +317,9 @@ class CheckpointStorage:
             options = {"use_listings_cache": False, **options}
         try:
             fs, root = fsspec.core.url_to_fs(raw_uri, **options)
-        except (ImportError, ValueError, TypeError) as exc:
+        except ImportError as exc:
+            raise _missing_dependency(protocol, self.uri, exc) from exc
+        except (ValueError, TypeError) as exc:
             raise StorageError(f"cannot open {self.uri}: {exc}") from exc
         return fs, root
 
