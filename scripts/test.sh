@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install cloudckpt with its test tools and run the whole test suite.
+# Install cloudckpt with its test tools (the dev extra, which includes all) and run the
+# whole test suite.
 # The tests start their own servers; set CLOUDCKPT_TEST_S3_ENDPOINT (+ AWS keys) to
 # run the S3 tests against MinIO or another S3-compatible endpoint instead.
 set -euo pipefail
