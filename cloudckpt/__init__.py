@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from cloudckpt.core import CheckpointingConfig
     from cloudckpt.errors import (
         CheckpointingException,
+        CheckpointKeyNotFoundError,
         CheckpointNotFoundError,
         CommitConflictError,
         CorruptObjectError,
@@ -68,6 +69,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(
         (
             "CheckpointingException",
+            "CheckpointKeyNotFoundError",
             "CheckpointNotFoundError",
             "CommitConflictError",
             "CorruptObjectError",
@@ -130,6 +132,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CheckpointConfig",
     "CheckpointInfo",
+    "CheckpointKeyNotFoundError",
     "CheckpointNotFoundError",
     "CheckpointingConfig",
     "CheckpointingException",

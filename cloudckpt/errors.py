@@ -7,6 +7,8 @@ describes the situation too, the error mixes it in, so callers can catch either
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class CheckpointingException(Exception):
     """Base class of every error raised by cloudckpt."""
@@ -29,6 +31,40 @@ class InvalidKeyError(CheckpointingException, ValueError):
 
 class CheckpointNotFoundError(CheckpointingException, FileNotFoundError):
     """No checkpoint (or no object of it) exists at the given URI."""
+
+
+class CheckpointKeyNotFoundError(CheckpointingException, KeyError):
+    """A key requested by a load is not stored in an existing checkpoint.
+
+    Deliberately not a ``FileNotFoundError``: the usual ``except FileNotFoundError:
+    start fresh`` of a training loop must not silently restart from scratch because
+    the model gained a parameter. ``keys`` lists the missing keys.
+    """
+
+    keys: tuple[str, ...] = ()
+
+    def __init__(self, message: str, keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0]) if self.args else ""
+
+    @classmethod
+    def of(
+        cls, what: str, keys: Iterable[str], uri: str, rank: int, detail: str = ""
+    ) -> CheckpointKeyNotFoundError:
+        """``rank R: <what> [keys] requested by the load are not stored in checkpoint
+        'URI'<detail>``; ``uri`` must be redacted already."""
+        missing = tuple(sorted(keys))
+        return cls(
+            f"rank {rank}: {what} {list(missing)} requested by the load are not stored in "
+            f"checkpoint {uri!r}{detail}",
+            missing,
+        )
+
+    def __reduce__(self) -> tuple[type[CheckpointKeyNotFoundError], tuple[str, tuple[str, ...]]]:
+        return (type(self), (str(self), self.keys))
 
 
 class UncommittedCheckpointError(CheckpointingException):
@@ -77,8 +113,38 @@ class CorruptObjectError(StorageError):
 
 
 class DistributedCheckpointError(CheckpointingException):
-    """One or more ranks failed; ``failures`` maps rank -> error message."""
+    """One or more ranks failed; ``failures`` maps rank -> error message.
+
+    ``errors`` maps rank -> the exception that rank raised, for those that could be
+    sent between processes. Raised on every rank of a collective operation, so a
+    failure on one rank never leaves the others waiting. When every failed rank
+    raised one kind of error, the raised class also derives from that kind (see
+    :func:`distributed_variant`).
+    """
 
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
+        self.errors: dict[int, BaseException] = {}
+
+    def __reduce__(self) -> tuple[type[DistributedCheckpointError], tuple[str, dict[int, str]]]:
+        # Variants are made at run time and cannot be pickled by name: travel as the base.
+        return (DistributedCheckpointError, (str(self), self.failures))
+
+
+_VARIANTS: dict[type[CheckpointingException], type[DistributedCheckpointError]] = {}
+
+
+def distributed_variant(kind: type[CheckpointingException]) -> type[DistributedCheckpointError]:
+    """``DistributedCheckpointError`` that is also a ``kind`` (same name as ``kind``).
+
+    ``distributed_variant(CommitConflictError)`` is raised on every rank when the
+    coordinator lost a commit race, so ``except CommitConflictError`` (and
+    ``except FileExistsError``) work on every rank.
+    """
+    if issubclass(kind, DistributedCheckpointError):
+        return kind
+    if kind not in _VARIANTS:  # one class per kind, so repeated failures compare equal
+        namespace = {"__module__": kind.__module__, "__qualname__": kind.__qualname__}
+        _VARIANTS[kind] = type(kind.__name__, (DistributedCheckpointError, kind), namespace)
+    return _VARIANTS[kind]

@@ -393,6 +393,12 @@ class CheckpointStorage:
         return ours
 
     @property
+    def process_local(self) -> bool:
+        """True for a store only this process sees (fsspec's ``memory://``): ranks in
+        other processes cannot read what this one writes."""
+        return "memory" in _protocols(self.fs)
+
+    @property
     def enforces_exclusive_writes(self) -> bool | None:
         """Whether create-only writes are known to be enforced by this store.
 
@@ -674,7 +680,7 @@ class CheckpointStorage:
             with self._slots:
                 return bytes(self.fs.cat_file(path, start=start or None, end=end))
         except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist") from exc
+            raise self._not_found(relpath) from exc
         except Exception as exc:
             if start and end is None and 0 <= self._size(path) <= start:
                 return b""  # reading from the end: S3 answers 416 where files give b""
@@ -687,7 +693,18 @@ class CheckpointStorage:
             return -1
 
     def _missing(self, relpath: str) -> bytes:
-        raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist")
+        raise self._not_found(relpath)
+
+    def _not_found(self, relpath: str) -> StorageError | CheckpointNotFoundError:
+        """A missing object: damage when the manifest lists it (a ``CorruptObjectError``,
+        deliberately not a ``FileNotFoundError``: a training loop's ``except
+        FileNotFoundError: start fresh`` must not restart on a damaged checkpoint)."""
+        if relpath in self.expected:
+            return CorruptObjectError(
+                f"{self.child_uri(relpath)} is listed in the manifest but does not exist; "
+                "the checkpoint is damaged (`cloudckpt verify` shows what is missing)"
+            )
+        return CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist")
 
     def read_into(self, relpath: str, out: memoryview, start: int = 0) -> None:
         """Fill ``out`` with the bytes of ``relpath`` starting at ``start``.
@@ -764,7 +781,7 @@ class CheckpointStorage:
             with self._slots:
                 got = self._fetch_into(path, out, start)
         except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{self.child_uri(relpath)} does not exist") from exc
+            raise self._not_found(relpath) from exc
         except Exception as exc:
             raise StorageError(f"failed to read {self.child_uri(relpath)}: {exc}") from exc
         if got != out.nbytes:

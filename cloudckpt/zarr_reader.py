@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt import dist
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointKeyNotFoundError,
+    CheckpointNotFoundError,
+)
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
 from cloudckpt.validation import chunk_shape
@@ -75,8 +80,10 @@ class TensorReader:
         except CheckpointNotFoundError:
             present = set(self.array_keys())
             missing = [k for k in todo if k not in present]
-            raise CheckpointNotFoundError(
-                f"tensor(s) {missing} not found in checkpoint {self.storage.uri!r}"
+            if not missing:  # the .zarray of a listed array vanished meanwhile
+                raise
+            raise CheckpointKeyNotFoundError.of(
+                "tensor(s)", missing, self.storage.uri, dist.get_rank()
             ) from None
         for key, raw in zip(todo, raws, strict=True):
             self._metas[key] = ArrayMeta.from_json(raw, self.storage.child_uri(f"{key}/{ZARRAY}"))

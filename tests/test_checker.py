@@ -168,7 +168,7 @@ class Damage:
 
 
 MATRIX = {
-    "delete-chunk": Damage("missing-object", True, True, CheckpointNotFoundError),
+    "delete-chunk": Damage("missing-object", True, True, CorruptObjectError),
     "truncate": Damage("size-mismatch", True, True, CorruptObjectError),
     "flip-byte": Damage("checksum-mismatch", False, True, CorruptObjectError),
     "delete-manifest": Damage("missing-manifest", True, False, UncommittedCheckpointError),

@@ -312,9 +312,9 @@ def test_every_strict_mode_across_ranks(rank_pool, tmp_path):
         ok, ok_dropped = f"keys=['{own}']", f"keys=['{own}']"
         expected = {
             ("assume_ok_unexpected", False): ok,
-            ("assume_ok_unexpected", True): "CheckpointNotFoundError",
+            ("assume_ok_unexpected", True): "CheckpointKeyNotFoundError",
             ("log_unexpected", False): ok,
-            ("log_unexpected", True): "CheckpointNotFoundError",
+            ("log_unexpected", True): "CheckpointKeyNotFoundError",
             ("log_all", False): ok,
             ("log_all", True): ok_dropped,
             ("raise_unexpected", False): "UnexpectedKeysError",
@@ -322,7 +322,7 @@ def test_every_strict_mode_across_ranks(rank_pool, tmp_path):
             ("raise_all", False): "UnexpectedKeysError",
             ("raise_all", True): "MissingKeysError",
             ("return_unexpected", False): f"{ok} missing=[] unexpected=['spare']",
-            ("return_unexpected", True): "CheckpointNotFoundError",
+            ("return_unexpected", True): "CheckpointKeyNotFoundError",
             ("return_all", False): f"{ok} missing=[] unexpected=['spare']",
             ("return_all", True): f"{ok_dropped} missing=['{gone}'] unexpected=['spare']",
             ("ignore_all", False): ok,

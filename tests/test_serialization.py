@@ -17,6 +17,7 @@ import torch
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor, StrictHandling
 from cloudckpt.errors import (
+    CheckpointKeyNotFoundError,
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
     InvalidKeyError,
@@ -324,7 +325,7 @@ def _req(*keys: str) -> dict:
 
 def test_strict_assume_ok_unexpected_ignores_extra_but_missing_fails(saved):
     assert torch.equal(_load(saved, _req("a"))["a"], torch.ones(2))
-    with pytest.raises(CheckpointNotFoundError, match="'c'"):
+    with pytest.raises(CheckpointKeyNotFoundError, match="'c'"):
         _load(saved, _req("a", "c"))
 
 

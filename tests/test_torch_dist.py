@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.checker import verify
-from cloudckpt.errors import CheckpointNotFoundError, MissingKeysError
+from cloudckpt.errors import CheckpointKeyNotFoundError, MissingKeysError
 from cloudckpt.manifest import Manifest
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies._dcp_storage import ITEM_OVERHEAD, CloudStorageReader, CloudStorageWriter
@@ -113,7 +113,7 @@ def test_strict_raise_all_and_missing_keys(location):
     extra = {"nope": ShardedTensor.from_rank_offsets("nope", torch.empty(2)), **exact}
     with pytest.raises(MissingKeysError, match="nope"):
         cloudckpt.load(extra, uri, strict="raise_all", storage_options=options)
-    with pytest.raises(CheckpointNotFoundError, match="'nope'"):
+    with pytest.raises(CheckpointKeyNotFoundError, match="'nope'"):
         cloudckpt.load(extra, uri, storage_options=options)
 
 

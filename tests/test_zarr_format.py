@@ -15,7 +15,11 @@ import zarr
 
 import cloudckpt
 from cloudckpt import ShardedTensor
-from cloudckpt.errors import CheckpointingException, IncompatibleCheckpointError
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointKeyNotFoundError,
+    IncompatibleCheckpointError,
+)
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.zarr_format import (
     ArrayMeta,
@@ -388,5 +392,5 @@ def test_tensor_reader_rejects_dtype_and_shape_mismatch(tmp_path: pathlib.Path) 
                                                                           dtype=torch.float64))])
     with pytest.raises(CheckpointingException, match="allow_shape_mismatch"):
         reader.load_all([ShardedTensor.from_rank_offsets("a", torch.empty(8, 9))])
-    with pytest.raises(FileNotFoundError, match="nope"):
+    with pytest.raises(CheckpointKeyNotFoundError, match="nope"):
         reader.load_all([ShardedTensor.from_rank_offsets("nope", torch.empty(1))])

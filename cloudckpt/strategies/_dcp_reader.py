@@ -23,7 +23,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt import dist
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointKeyNotFoundError,
+)
 from cloudckpt.mapping import ShardedObject, ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
 from cloudckpt.strategies._dcp_storage import (
@@ -86,10 +90,13 @@ class DcpCheckpoint:
     def _where(self, key: str) -> str:
         return f"tensor {key!r} in checkpoint {self.storage.uri!r}"
 
+    def _missing(self, what: str, keys: Sequence[str], detail: str = "") -> Exception:
+        return CheckpointKeyNotFoundError.of(what, keys, self.storage.uri, dist.get_rank(), detail)
+
     def tensor_metadata(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
         if md is None:
-            raise CheckpointNotFoundError(f"{self._where(key)}: not found")
+            raise self._missing("tensor(s)", [key])
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointingException(f"{self._where(key)}: stored as bytes, not a tensor")
         return md
@@ -163,6 +170,9 @@ class DcpCheckpoint:
 
     def load_tensors(self, tensors: Sequence[ShardedTensor]) -> dict[int, torch.Tensor]:
         """Load every requested tensor; returns ``{id(sharded_tensor): tensor}``."""
+        missing = {sh.key for sh in tensors} - set(self.metadata.state_dict_metadata)
+        if missing:
+            raise self._missing("tensor(s)", sorted(missing))
         for sh in tensors:
             self._check(sh)
         sources = {key: self._sources(key) for key in {sh.key for sh in tensors}}
@@ -248,9 +258,8 @@ class DcpCheckpoint:
         missing = [k for k in keys if k not in self.metadata.state_dict_metadata]
         if missing:
             stored = sorted({k for k in self.object_keys() for o in objects if k.startswith(o.key)})
-            raise CheckpointNotFoundError(
-                f"sharded object(s) {missing} not found in checkpoint {self.storage.uri!r}; "
-                f"stored shards of these keys: {stored or 'none'}"
+            raise self._missing(
+                "sharded object(s)", missing, f"; stored shards of these keys: {stored or 'none'}"
             )
         values = self.read_objects(keys, weights_only)
         return {id(o): values[o.unique_key] for o in objects}

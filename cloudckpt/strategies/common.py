@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from cloudckpt import dist
 from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
 from cloudckpt.errors import (
     CheckpointingException,
+    CheckpointKeyNotFoundError,
     CheckpointNotFoundError,
 )
 from cloudckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
@@ -164,7 +166,10 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadCom
         try:
             raws = storage.read_many([ReadRequest(f"{o.unique_key}.pt") for o in objects])
         except CheckpointNotFoundError as exc:
-            raise self._missing_object_error(storage, objects) from exc
+            missing = self._missing_object_error(storage, objects)
+            if missing is None:  # listed, yet unreadable: not a key the checkpoint lacks
+                raise
+            raise missing from exc
         loaded = {id(o): self._loads(raw) for o, raw in zip(objects, raws, strict=True)}
 
         def replace(value: Any) -> Any:
@@ -174,16 +179,21 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadCom
 
     def _missing_object_error(
         self, storage: CheckpointStorage, objects: list[ShardedObject]
-    ) -> CheckpointNotFoundError:
+    ) -> CheckpointKeyNotFoundError | None:
         present = set(storage.list())
         missing = [o.unique_key for o in objects if f"{o.unique_key}.pt" not in present]
         keys = {o.key for o in objects}
         stored = sorted(
             p[:-3] for p in present if _SHARD_FILE.search(p) and p.rsplit("/", 1)[0] in keys
         )
-        return CheckpointNotFoundError(
-            f"sharded object(s) {missing} not found in checkpoint {storage.uri!r}; "
-            f"stored shards of these keys: {stored or 'none'}"
+        if not missing:
+            return None
+        return CheckpointKeyNotFoundError.of(
+            "sharded object(s)",
+            missing,
+            storage.uri,
+            dist.get_rank(),
+            f"; stored shards of these keys: {stored or 'none'}",
         )
 
     def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
