@@ -23,7 +23,7 @@ import torch
 
 from cloudckpt import dist
 from cloudckpt.commit import claim, commit, require_committed
-from cloudckpt.config import CheckpointConfig, GiB
+from cloudckpt.config import CheckpointConfig, GiB, redact_uri
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
@@ -71,8 +71,12 @@ def convert(
         UncommittedCheckpointError / CheckpointNotFoundError: about the source.
         CommitConflictError / CheckpointingException: the destination is not empty.
     """
-    if dist.get_world_size() != 1:
-        raise CheckpointingException("convert runs in a single process (world size 1)")
+    if dist.get_world_size() != 1:  # raised on every rank at once: no collective to wait in
+        raise CheckpointingException(
+            f"convert of {redact_uri(src_uri)!r} runs in a single process (world size 1), "
+            f"not on rank {dist.get_rank()} of {dist.get_world_size()}: run it outside the "
+            "training job, e.g. `cloudckpt convert SRC DST`"
+        )
     started = time.perf_counter()
     source = open_checkpoint(src_uri, storage_options=src_storage_options, config=config)
     require_committed(source)

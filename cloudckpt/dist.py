@@ -9,15 +9,24 @@ is passed.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+import pickle
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as torch_dist
 
-from cloudckpt.errors import DistributedCheckpointError
+from cloudckpt.errors import (
+    CheckpointingException,
+    DistributedCheckpointError,
+    distributed_variant,
+)
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 ReduceOp = Literal["min", "max", "sum"]
 _REDUCE_OPS = {
     "min": torch_dist.ReduceOp.MIN,
@@ -78,20 +87,125 @@ def raise_if_any_rank_failed(error: BaseException | None, what: str, group: Any 
     """Collective: every rank learns whether any rank failed ``what``, and raises if so.
 
     Each rank passes the exception it caught (or None). If any rank failed, every rank
-    raises :class:`DistributedCheckpointError` naming the failed ranks and their errors,
-    so no rank is left waiting in a later collective. The local exception is chained.
+    raises a :class:`DistributedCheckpointError` naming the failed ranks and their
+    errors, so no rank is left waiting in a later collective. When every failed rank
+    raised the same kind of :class:`CheckpointingException` (say a
+    ``CommitConflictError``), the error raised on every rank is also of that kind, so
+    ``except CommitConflictError`` works on the ranks that did not see it themselves.
+    In a world of one the local exception is raised unchanged.
     """
-    local = None if error is None else f"{type(error).__name__}: {error}"
-    failures = {r: msg for r, msg in enumerate(all_gather_object(local, group)) if msg is not None}
-    if not failures:
+    report = _Report.of(error)
+    reports = all_gather_object(report, group)
+    failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
+    if not failed:
         return
-    lines = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failures.items()))
-    message = f"{what} failed on {len(failures)} rank(s): {lines}"
-    if error is None:
-        raise DistributedCheckpointError(message, failures)
-    if get_world_size(group) == 1:
+    if error is not None and (get_world_size(group) == 1 or _already_agreed(reports)):
         raise error
-    raise DistributedCheckpointError(message, failures) from error
+    lines = "; ".join(f"rank {r}: {rep.summary}" for r, rep in sorted(failed.items()))
+    message = f"{what} failed on {len(failed)} of {len(reports)} rank(s): {lines}"
+    kind = _common_kind([rep.error for rep in failed.values()])
+    raised = kind(message, {r: rep.summary for r, rep in failed.items()})
+    raised.errors = {r: rep.error for r, rep in failed.items() if rep.error is not None}
+    raise raised from error
+
+
+@contextmanager
+def agree(what: str, group: Any = None) -> Iterator[None]:
+    """Collective: run the block on every rank, then let every rank learn whether any
+    rank failed in it; if one did, every rank raises (see :func:`raise_if_any_rank_failed`).
+
+    The block must not itself call a collective that a failing rank would skip: a rank
+    that raises goes straight to the agreement while its peers would still wait in the
+    skipped collective. Only :class:`Exception` is caught; ``KeyboardInterrupt`` and
+    ``SystemExit`` propagate at once.
+
+    Example::
+
+        with dist.agree(f"opening checkpoint {uri!r}"):
+            storage = open_checkpoint(uri)      # may fail on one rank only
+        gathered = dist.all_gather_object(...)  # every rank gets here, or none does
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        error = exc
+    raise_if_any_rank_failed(error, what, group)
+
+
+def run_on_coordinator(
+    fn: Callable[[], _T], what: str, src: int = 0, group: Any = None
+) -> _T:
+    """Collective: run ``fn`` on rank ``src`` only and return its result on every rank.
+
+    One rank does the I/O (one listing instead of one per rank); when it fails, every
+    rank raises, naming ``src``. The result must be picklable.
+    """
+    if not is_distributed():
+        return fn()
+    outcome: tuple[bool, Any] = (True, None)
+    error: BaseException | None = None
+    if get_rank(group) == src:
+        try:
+            outcome = (True, fn())
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = exc
+            outcome = (False, _Report.of(exc))
+    ok, payload = broadcast_object(outcome, src=src, group=group)
+    if ok:
+        result: _T = payload
+        return result
+    kind = _common_kind([payload.error])
+    raised = kind(f"{what} failed on rank {src}: {payload.summary}", {src: payload.summary})
+    raised.errors = {src: payload.error} if payload.error is not None else {}
+    raise raised from error
+
+
+@dataclass(frozen=True)
+class _Report:
+    """One rank's failure as it travels to the others: a summary line, and the
+    exception itself when it survives pickling (else None)."""
+
+    summary: str
+    error: BaseException | None
+    agreed: bool  # already raised on every rank by an inner agreement
+
+    @classmethod
+    def of(cls, error: BaseException | None) -> _Report | None:
+        if error is None:
+            return None
+        agreed = isinstance(error, DistributedCheckpointError)
+        portable = None if agreed else _portable(error)
+        return cls(f"{type(error).__name__}: {error}", portable, agreed)
+
+
+def _portable(error: BaseException) -> BaseException | None:
+    """``error`` if it pickles and unpickles (so a peer can rebuild it), else None."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - an exception that does not travel is summarised
+        return None
+    return error
+
+
+def _already_agreed(reports: list[_Report | None]) -> bool:
+    """True when every rank failed with an error an inner agreement already raised on
+    every rank (re-raise it instead of wrapping it again)."""
+    return all(rep is not None and rep.agreed for rep in reports)
+
+
+def _common_kind(errors: list[BaseException | None]) -> type[DistributedCheckpointError]:
+    """The error class to raise on every rank: the failed ranks' common
+    CheckpointingException class mixed into DistributedCheckpointError, else the latter."""
+    kinds = {type(e) for e in errors}
+    if len(kinds) != 1:
+        return DistributedCheckpointError
+    kind = kinds.pop()
+    if not issubclass(kind, CheckpointingException) or issubclass(
+        kind, DistributedCheckpointError
+    ):
+        return DistributedCheckpointError
+    return distributed_variant(kind)
 
 
 Transfer = tuple[int, int, torch.Tensor]  # (peer rank, tag, tensor)

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,13 +93,15 @@ class RankPool:
         """Run ``fn(rank, world_size, *args)`` on every rank; return results by rank.
 
         Raises:
-            DistributedCheckpointError: a rank raised (its traceback is in the message
-                and in ``failures``) or did not finish within ``timeout_s``.
+            DistributedCheckpointError: a rank raised or did not finish within
+                ``timeout_s``; the message and ``failures`` hold every traceback
+                received and name the ranks that did not answer.
         """
         for q in self._tasks:
             q.put((fn, args))
-        outcomes = self._collect()
+        outcomes, missing = self._collect()
         failures = {r: out for r, (ok, out) in outcomes.items() if not ok}
+        failures.update({r: f"did not finish within {self.timeout_s:.0f} s" for r in missing})
         if failures:
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
             raise DistributedCheckpointError(
@@ -107,19 +110,17 @@ class RankPool:
             )
         return [outcomes[r][1] for r in range(self.world_size)]
 
-    def _collect(self) -> dict[int, tuple[bool, Any]]:
+    def _collect(self) -> tuple[dict[int, tuple[bool, Any]], list[int]]:
+        """Outcomes received by rank, and the ranks that sent none within ``timeout_s``."""
         outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + self.timeout_s
         while len(outcomes) < self.world_size:
             try:
-                rank, ok, payload = self._results.get(timeout=self.timeout_s)
+                rank, ok, payload = self._results.get(timeout=max(deadline - time.monotonic(), 0))
             except queue.Empty:
-                missing = sorted(set(range(self.world_size)) - set(outcomes))
-                raise DistributedCheckpointError(
-                    f"ranks {missing} did not finish within {self.timeout_s:.0f} s",
-                    {r: "timeout" for r in missing},
-                ) from None
+                return outcomes, sorted(set(range(self.world_size)) - set(outcomes))
             outcomes[rank] = (ok, payload)
-        return outcomes
+        return outcomes, []
 
     def close(self) -> None:
         """Stop the ranks (forcefully if they do not stop within a few seconds)."""

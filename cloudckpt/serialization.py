@@ -11,11 +11,12 @@ Without an initialised process group, both work in one process (a world of one).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -75,6 +76,7 @@ from cloudckpt.validation import (
 )
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_SHARDED_BACKEND = ("zarr", 1)
 DEFAULT_COMMON_BACKEND = ("torch", 1)
@@ -108,12 +110,25 @@ def _open(
     storage_options: dict[str, Any] | None,
     config: CheckpointConfig | None = None,
 ) -> CheckpointStorage:
-    return open_checkpoint(
+    storage = open_checkpoint(
         uri,
         getattr(strategy, "fs", None),
         storage_options,
         config=config or getattr(strategy, "config", None),
     )
+    _require_shared_store(storage)
+    return storage
+
+
+def _require_shared_store(storage: CheckpointStorage) -> None:
+    """Refuse a store the other ranks cannot see (``memory://`` lives in one process)."""
+    world = dist.get_world_size()
+    if storage.process_local and world > 1:
+        raise CheckpointingException(
+            f"checkpoint {storage.uri!r} is in this process's memory (memory://), which "
+            f"the other {world - 1} rank(s) cannot see: use a local directory or an object "
+            f"store URI with {world} ranks (rank {dist.get_rank()})"
+        )
 
 
 def _split_state_dict(
@@ -184,20 +199,18 @@ def save(
         storage_options,
         config,
     )
-    storage = _open(uri, sharded_saver, storage_options)
-    shown = storage.uri  # the URI with any secret redacted, for messages
-    _require_empty_destination(storage)
+    shown = redact_uri(uri)  # the URI with any secret redacted, for messages
+    with dist.agree(f"opening checkpoint {shown!r}"):
+        storage = _open(uri, sharded_saver, storage_options)
+        error = _destination_error(storage) if dist.get_rank() == 0 else None
+        if error is not None:
+            raise error
     parts = _prepare(sharded_state_dict, shown, validate_access_integrity)
     _, tensors, common, _ = parts
     claimed = claim(storage)
-    error: BaseException | None = None
     results: list[WriteResult] = [claimed] if claimed is not None else []
-    try:
+    with dist.agree(f"saving checkpoint {shown!r}"), _logged_failure("save", shown):
         results += _write_parts(sharded_saver, common_saver, uri, parts)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-        logger.error("rank %d failed to save %s: %s", dist.get_rank(), shown, exc)
-        error = exc
-    dist.raise_if_any_rank_failed(error, f"saving checkpoint {shown!r}")
     backends = CheckpointingConfig(
         sharded_saver.backend, sharded_saver.version, common_saver.backend, common_saver.version
     )
@@ -212,16 +225,10 @@ def _prepare(
 ) -> tuple[ShardedStateDict, ShardedStateDict, StateDict, ShardedStateDict]:
     """Apply factories, split, check keys and (collectively) the sharding. A local
     failure (a bad key, a factory error) is raised on every rank, naming the rank."""
-    error: BaseException | None = None
-    parts: Any = None
-    local_metadata: list[ShardedBase] = []
-    try:
+    with dist.agree(f"preparing checkpoint {shown!r}"):
         apply_factories(sharded_state_dict)
         parts = _split_state_dict(sharded_state_dict)
         local_metadata = _local_metadata(parts[0], shown) + _local_metadata(parts[1], shown)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-        error = exc
-    dist.raise_if_any_rank_failed(error, f"preparing checkpoint {shown!r}")
     if validate:
         validate_sharding_integrity(dist.all_gather_object(local_metadata), shown)
     result: tuple[ShardedStateDict, ShardedStateDict, StateDict, ShardedStateDict] = parts
@@ -282,9 +289,14 @@ def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, in
     return strategy
 
 
-def _require_empty_destination(storage: CheckpointStorage) -> None:
-    error = _destination_error(storage) if dist.get_rank() == 0 else None
-    dist.raise_if_any_rank_failed(error, "checking the checkpoint destination")
+@contextlib.contextmanager
+def _logged_failure(verb: str, shown: str) -> Iterator[None]:
+    """Log this rank's own failure (the agreement then raises it on every rank)."""
+    try:
+        yield
+    except Exception as exc:
+        logger.error("rank %d failed to %s %s: %s", dist.get_rank(), verb, shown, exc)
+        raise
 
 
 def _destination_error(storage: CheckpointStorage) -> CheckpointingException | None:
@@ -416,7 +428,9 @@ def load(
         ``RETURN_*`` mode, ``(state_dict, missing_keys, unexpected_keys)``.
 
     Raises:
-        CheckpointNotFoundError: nothing at the URI, or a requested key is absent.
+        CheckpointNotFoundError: nothing at the URI.
+        CheckpointKeyNotFoundError: a requested key is not stored in the checkpoint (a
+            ``KeyError``, deliberately not a ``FileNotFoundError``).
         UncommittedCheckpointError: the checkpoint was never committed (names the
             missing metadata.json or manifest.json).
         CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
@@ -424,31 +438,34 @@ def load(
     """
     started = time.perf_counter()
     uri = checkpoint_uri(checkpoint_dir)
-    strict = parse_strict_flag(strict)
-    storage = _open(uri, sharded_strategy, storage_options, config)
-    sharded_strategy, common_strategy = _load_strategies(
-        storage, sharded_strategy, common_strategy, storage_options, config, verify_checksums
-    )
-    common_state = common_strategy.load_common(uri)
-    nonpersistent, requested = extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
-    )
-    factories, _ = extract_matching_values(
-        requested, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True
-    )
-    apply_factories(requested)
-    sharded, _ = extract_matching_values(requested, lambda v: isinstance(v, ShardedBase))
+    shown = redact_uri(uri)
+    with dist.agree(f"opening checkpoint {shown!r}"):
+        strict = parse_strict_flag(strict)
+        storage = _open(uri, sharded_strategy, storage_options, config)
+        sharded_strategy, common_strategy = _load_strategies(
+            storage, sharded_strategy, common_strategy, storage_options, config, verify_checksums
+        )
+        common_state = common_strategy.load_common(uri)
+        nonpersistent, requested = extract_matching_values(
+            sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+        )
+        factories, _ = extract_matching_values(
+            requested, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True
+        )
+        apply_factories(requested)
+        sharded, _ = extract_matching_values(requested, lambda v: isinstance(v, ShardedBase))
+        local = _local_metadata(sharded, shown)
     sharded, missing, unexpected = _apply_strictness(
         sharded,
-        uri,
+        local,
+        shown,
         strict,
         validate_access_integrity,
-        lambda: load_sharded_metadata(
-            uri, sharded_strategy, common_strategy, storage_options=storage_options, config=config
-        ),
+        lambda: _stored_keys(sharded_strategy, common_strategy, uri),
     )
-    loaded = _load_sharded(sharded_strategy, common_strategy, sharded, uri)
-    apply_factory_merges(loaded, factories)
+    with dist.agree(f"loading checkpoint {shown!r}"), _logged_failure("load", shown):
+        loaded = _load_sharded(sharded_strategy, common_strategy, sharded, uri)
+        apply_factory_merges(loaded, factories)
     merge(common_state, loaded)
     merge(common_state, _unwrap(nonpersistent))
     tensors_loaded = [t for t in nested_values(loaded) if isinstance(t, torch.Tensor)]
@@ -479,26 +496,38 @@ def _unwrap(nonpersistent: StateDict) -> StateDict:
     return dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent)
 
 
+def _stored_keys(
+    sharded_strategy: LoadShardedStrategy, common_strategy: LoadCommonStrategy, uri: str
+) -> set[str]:
+    """Keys of every stored tensor and object (what strict handling compares against)."""
+    stored = {sh.key for sh in sharded_strategy.load_sharded_metadata(uri).values()}
+    if not sharded_strategy.can_handle_sharded_objects:
+        stored |= {sh.key for sh in common_strategy.load_sharded_metadata(uri).values()}
+    return stored
+
+
 def _apply_strictness(
     sharded: ShardedStateDict,
+    local: list[ShardedBase],
     uri: str,
     strict: StrictHandling,
     validate_access_integrity: bool,
-    checkpoint_metadata: Callable[[], ShardedStateDict],
+    stored_keys: Callable[[], set[str]],
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
-    """Validate the requested sharding and handle missing / unexpected keys per ``strict``."""
-    uri = redact_uri(uri)  # only used in messages here
-    local = _local_metadata(sharded, uri)
+    """Validate the requested sharding and handle missing / unexpected keys per
+    ``strict``. Collective; a rank that raises (keys missing there only) makes every
+    rank raise. ``local`` is this rank's requested metadata, ``uri`` redacted."""
     needs_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
     global_metadata = dist.all_gather_object(local) if needs_global else [local]
     if validate_access_integrity:
         validate_sharding_integrity(global_metadata, uri)
     if not StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         return sharded, set(), set()
-    stored = {sh.key for sh in checkpoint_metadata().values()}
-    missing = {sh.key for sh in local} - stored
-    unexpected = stored - {sh.key for shards in global_metadata for sh in shards}
-    _report_mismatch(uri, strict, missing, unexpected)
+    with dist.agree(f"checking the keys of checkpoint {uri!r}"):
+        stored = stored_keys()
+        missing = {sh.key for sh in local} - stored
+        unexpected = stored - {sh.key for shards in global_metadata for sh in shards}
+        _report_mismatch(uri, strict, missing, unexpected)
     if missing and strict in DROPS_MISSING:
         _, sharded = extract_matching_values(
             sharded, lambda v: isinstance(v, ShardedBase) and v.key in missing
@@ -522,18 +551,38 @@ def _report_mismatch(
         logger.warning("%s: checkpoint keys requested by no rank: %s", where, sorted(unexpected))
 
 
+def _run(fn: Callable[[], _T], what: str, collective: bool) -> _T:
+    """``fn()`` on this rank, or (collective) on rank 0 with the outcome on every rank."""
+    if collective:
+        return dist.run_on_coordinator(fn, what)
+    return fn()
+
+
 def load_common_state_dict(
     checkpoint_dir: str,
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
+    collective: bool = False,
 ) -> StateDict:
-    """Load only the common (non-sharded) state of a checkpoint."""
+    """Load only the common (non-sharded) state of a checkpoint.
+
+    Args:
+        checkpoint_dir: the checkpoint URI or local path.
+        storage_options / config: as for :func:`load`.
+        collective: call on every rank: rank 0 does the I/O and sends the outcome to
+            all, so its failure is raised on every rank (default: this rank alone).
+    """
     uri = checkpoint_uri(checkpoint_dir)
-    _, common = _load_strategies(
-        _open(uri, None, storage_options, config), None, None, storage_options, config
-    )
-    return common.load_common(uri)
+
+    def read() -> StateDict:
+        _, common = _load_strategies(
+            _open(uri, None, storage_options, config), None, None, storage_options, config
+        )
+        state: StateDict = common.load_common(uri)
+        return state
+
+    return _run(read, f"loading the common state of {redact_uri(uri)!r}", collective)
 
 
 def load_tensors_metadata(
@@ -542,12 +591,26 @@ def load_tensors_metadata(
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
+    collective: bool = False,
 ) -> ShardedStateDict:
-    """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data)."""
+    """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data).
+
+    Args:
+        checkpoint_dir: the checkpoint URI or local path.
+        sharded_strategy: overrides the strategy chosen from the checkpoint's metadata.
+        storage_options / config: as for :func:`load`.
+        collective: call on every rank: rank 0 does the I/O and sends the outcome to
+            all, so its failure is raised on every rank (default: this rank alone).
+    """
     uri = checkpoint_uri(checkpoint_dir)
-    storage = _open(uri, sharded_strategy, storage_options, config)
-    sharded, _ = _load_strategies(storage, sharded_strategy, None, storage_options, config)
-    return sharded.load_tensors_metadata(uri)
+
+    def read() -> ShardedStateDict:
+        storage = _open(uri, sharded_strategy, storage_options, config)
+        sharded, _ = _load_strategies(storage, sharded_strategy, None, storage_options, config)
+        metadata: ShardedStateDict = sharded.load_tensors_metadata(uri)
+        return metadata
+
+    return _run(read, f"reading the tensors of {redact_uri(uri)!r}", collective)
 
 
 def load_sharded_metadata(
@@ -557,23 +620,36 @@ def load_sharded_metadata(
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
+    collective: bool = False,
 ) -> ShardedStateDict:
     """Metadata (no data) of every stored ShardedTensor and ShardedObject.
 
     Keys are tensor keys and, for objects, their ``unique_key``.
+
+    Args:
+        checkpoint_dir: the checkpoint URI or local path.
+        sharded_strategy / common_strategy: override the strategies chosen from the
+            checkpoint's metadata.
+        storage_options / config: as for :func:`load`.
+        collective: call on every rank: rank 0 does the I/O and sends the outcome to
+            all, so its failure is raised on every rank (default: this rank alone).
     """
     uri = checkpoint_uri(checkpoint_dir)
-    sharded, common = _load_strategies(
-        _open(uri, sharded_strategy, storage_options, config),
-        sharded_strategy,
-        common_strategy,
-        storage_options,
-        config,
-    )
-    metadata = dict(sharded.load_sharded_metadata(uri))
-    if not sharded.can_handle_sharded_objects:
-        metadata.update(common.load_sharded_metadata(uri))
-    return metadata
+
+    def read() -> ShardedStateDict:
+        sharded, common = _load_strategies(
+            _open(uri, sharded_strategy, storage_options, config),
+            sharded_strategy,
+            common_strategy,
+            storage_options,
+            config,
+        )
+        metadata = dict(sharded.load_sharded_metadata(uri))
+        if not sharded.can_handle_sharded_objects:
+            metadata.update(common.load_sharded_metadata(uri))
+        return metadata
+
+    return _run(read, f"reading the metadata of {redact_uri(uri)!r}", collective)
 
 
 def load_plain_tensors(
@@ -604,13 +680,26 @@ def remove_sharded_tensors(
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
+    collective: bool = False,
 ) -> None:
-    """Delete every stored tensor whose key starts with ``key_prefix``."""
+    """Delete every stored tensor whose key starts with ``key_prefix``.
+
+    Args:
+        checkpoint_dir: the checkpoint URI or local path.
+        key_prefix: tensors whose key starts with it are removed.
+        storage_options / config: as for :func:`load`.
+        collective: call on every rank: rank 0 does the I/O and sends the outcome to
+            all, so its failure is raised on every rank (default: this rank alone).
+    """
     uri = checkpoint_uri(checkpoint_dir)
-    sharded, _ = _load_strategies(
-        _open(uri, None, storage_options, config), None, None, storage_options, config
-    )
-    sharded.remove_sharded_tensors(uri, key_prefix)
+
+    def remove() -> None:
+        sharded, _ = _load_strategies(
+            _open(uri, None, storage_options, config), None, None, storage_options, config
+        )
+        sharded.remove_sharded_tensors(uri, key_prefix)
+
+    _run(remove, f"removing tensors {key_prefix!r}* from {redact_uri(uri)!r}", collective)
 
 
 def check_is_distributed_checkpoint(
@@ -623,3 +712,4 @@ def check_is_distributed_checkpoint(
     when cloudckpt wrote it, its manifest.json."""
     storage = _open(checkpoint_uri(checkpoint_dir), None, storage_options, config)
     return read_commit_state(storage).committed
+

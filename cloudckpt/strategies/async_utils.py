@@ -120,13 +120,9 @@ class AsyncRequest:
             Exception: in a world of one rank, the error ``async_fn`` raised, as is;
                 an error raised by a finalize function, as is.
         """
-        error: BaseException | None = None
-        if self.async_fn is not None:
-            try:
+        with dist.agree("synchronous execution of an async request"):
+            if self.async_fn is not None:
                 self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank below
-                error = exc
-        dist.raise_if_any_rank_failed(error, "synchronous execution of an async request")
         for fn in self.finalize_fns:
             fn()
 

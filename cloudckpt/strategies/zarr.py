@@ -177,18 +177,14 @@ class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
     def _flat_writes(self, tensors: list[ShardedTensor]) -> list[Write]:
         """Assemble flattened chunks on their planned ranks and return the writes."""
         gathered = dist.all_gather_object([t.without_data() for t in tensors])
-        error: BaseException | None = None
         mine: dict[ChunkId, dict[int, ShardedTensor]] = defaultdict(dict)
-        try:
+        with dist.agree("planning the assembly of flattened chunks"):  # peers must not wait
             for t in tensors:
                 if is_main_replica(t.replica_id):
                     mine[(t.key, _require_index(t))][t.flattened_range.start] = t  # type: ignore[union-attr]
             buffers, sends, recvs = _exchange_plan(
                 plan_flat_chunks(gathered), mine, dist.get_rank()
             )
-        except Exception as exc:  # noqa: BLE001 - peers must not wait for our transfers
-            error = exc
-        dist.raise_if_any_rank_failed(error, "planning the assembly of flattened chunks")
         dist.exchange_tensors(sends, recvs)
         writes: list[Write] = []
         for plan, buffer in buffers:
