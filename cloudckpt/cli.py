@@ -69,16 +69,20 @@ def _add_demo(subparsers: Subparsers) -> None:
         description=(
             "Spawn N CPU ranks (gloo), train a small GPT-like model sharded as tensor-parallel x "
             "data-parallel with a distributed Adam, save it to URI, load it back into a different "
-            "tensor-parallel layout, check every tensor bit for bit and print a summary."
+            "tensor-parallel layout, check every tensor bit for bit and print a summary: the "
+            "checkpoint's URI, its object count as `cloudckpt verify` reports it, and the "
+            "`cloudckpt ls` and `cloudckpt verify --deep` commands to look at it."
         ),
     )
     add = parser.add_argument
     add(
         "--uri",
         help=f"checkpoint URI or local path (default: the config's uri, else a new run "
-        f"directory, {DEFAULT_DEMO_DIR}/run-<UTC time>/iter_<steps, 7 digits>); s3://, gs://, "
-        "file:// and other fsspec URIs work too. Credentials and endpoints come from --config "
-        "or the environment (AWS_ENDPOINT_URL_S3, AWS_PROFILE, STORAGE_EMULATOR_HOST, ...)",
+        f"directory, {DEFAULT_DEMO_DIR}/run-<UTC time>/iter_<steps, 7 digits>); s3://, gs:// "
+        "and file:// URIs work too (memory:// only with --world-size 1: each rank is a "
+        "process, and fsspec's memory store is per process). Credentials and endpoints come "
+        "from --config or the environment (AWS_ENDPOINT_URL_S3, AWS_PROFILE, "
+        "STORAGE_EMULATOR_HOST, ...)",
     )
     add(
         "--config",
@@ -112,6 +116,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from cloudckpt.demo.run import (  # noqa: PLC0415
         DemoOptions,
         default_tp_sizes,
+        next_step_lines,
         prepare_destination,
         run_demo,
         validate_options,
@@ -141,7 +146,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 2
     prepare_destination(uri, args.overwrite, checkpoint)
     result = run_demo(options)
-    print("\n".join(result.summary_lines(uri)))
+    next_steps = next_step_lines(uri, config=args.config)
+    print("\n".join(result.summary_lines(uri) + next_steps))
     return 0
 
 

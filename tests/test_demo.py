@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
+from cloudckpt.demo.run import cli_command, next_step_lines
 from cloudckpt.storage import CheckpointStorage
 from tests.fixtures_object_stores import GCSEndpoint, S3Endpoint
 
@@ -44,9 +46,11 @@ def _demo_args(
 def _assert_all_match(proc: subprocess.CompletedProcess[str], world_size: int) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert f"world size:   {world_size} ranks" in out
+    ranks = "1 rank " if world_size == 1 else f"{world_size} ranks "
+    assert f"world size:   {ranks}(gloo, CPU)" in out
     assert f"all {NUM_TENSORS} tensors match on every rank" in out
-    assert f"{NUM_TENSORS} per rank, {NUM_ARRAYS} in the checkpoint" in out
+    assert f"tensors:      {NUM_TENSORS} per rank (each rank's state dict holds its shard" in out
+    assert f"              {NUM_ARRAYS} in the checkpoint (whole tensors;" in out
     assert re.search(r"save: +[0-9.]+ s, [0-9.]+ MB/s", out), out
     assert re.search(r"load: +[0-9.]+ s, [0-9.]+ MB/s", out), out
 
@@ -56,6 +60,96 @@ def test_demo_four_ranks_reshards_tp2_dp2_to_tp1_dp4(tmp_path: Path) -> None:
     _assert_all_match(proc, 4)
     assert "save layout:  TP=2 x DP=2; load layout: TP=1 x DP=4" in proc.stdout
     assert (tmp_path / "ckpt" / "metadata.json").is_file()
+
+
+def _next_steps(out: str) -> tuple[Path, list[list[str]]]:
+    """The directory and the commands of the demo's "next steps" lines."""
+    match = re.search(r"^next steps \(from (.+)\):\n((?:  .+\n)+)", out, re.M)
+    assert match, out
+    return Path(match.group(1)), [shlex.split(line) for line in match.group(2).splitlines()]
+
+
+def test_demo_one_rank_prints_runnable_next_commands_and_counts_like_verify(
+    tmp_path: Path,
+) -> None:
+    uri = tmp_path / "run" / "iter_0000010"
+    proc = _demo(str(uri), "--world-size", "1")
+    _assert_all_match(proc, 1)
+    out = proc.stdout
+    assert "1 ranks" not in out
+    assert f"checkpoint:   {uri}\n" in out
+    match = re.search(r"^objects: +(\d+) in the checkpoint, ([0-9.]+) MB \(counted as "
+                      r"`cloudckpt verify` does:", out, re.M)
+    assert match, out
+    objects = int(match.group(1))
+    # every stored object but the two commit records
+    stored = [p for p in uri.rglob("*") if p.is_file()]
+    assert objects == len(stored) - 2
+    assert {"manifest.json", "metadata.json"} <= {p.name for p in stored}
+
+    cwd, commands = _next_steps(out)
+    assert [c[-2:] for c in commands] == [["ls", str(uri.parent)], [str(uri), "--deep"]]
+    assert commands[1][-3] == "verify"
+    listed = subprocess.run(commands[0], cwd=cwd, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert re.search(r"^iter_0000010 +10 +committed ", listed.stdout, re.M), listed.stdout
+    verified = subprocess.run(commands[1], cwd=cwd, capture_output=True, text=True,
+                              timeout=120, check=False)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert f"OK: {objects} objects, " in verified.stdout
+    assert "CRC-32C checksums match the manifest" in verified.stdout
+
+
+def test_demo_in_memory_with_one_rank_says_nothing_is_left_to_inspect() -> None:
+    proc = _demo("memory://cloudckpt-demo/iter_0000010", "--world-size", "1")
+    _assert_all_match(proc, 1)
+    assert "memory:// lives only in this process and is gone now" in proc.stdout
+    assert "next steps" not in proc.stdout
+
+
+def test_demo_help_does_not_offer_memory_for_several_ranks() -> None:
+    proc = _demo_args(["--help"])
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "memory:// only with --world-size 1" in text
+    assert "`cloudckpt ls` and `cloudckpt verify --deep` commands" in text
+
+
+def test_cli_command_is_what_runs_this_installation(tmp_path: Path) -> None:
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    python = venv_bin / "python"
+    # no console script: the interpreter runs the package
+    assert cli_command(str(python), path="", cwd="/") == f"{python} -m cloudckpt"
+    script = venv_bin / "cloudckpt"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    # the console script, relative to the working directory when below it
+    assert cli_command(str(python), path="/nowhere", cwd=str(tmp_path)) == "venv/bin/cloudckpt"
+    assert cli_command(str(python), path="/nowhere", cwd="/") == str(script)
+    # plain `cloudckpt` only when PATH finds this very script
+    assert cli_command(str(python), path=str(venv_bin), cwd="/") == "cloudckpt"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "cloudckpt").write_text("#!/bin/sh\n")
+    (other / "cloudckpt").chmod(0o755)
+    assert cli_command(str(python), path=str(other), cwd="/") == str(script)
+
+
+def test_next_steps_name_the_run_directory_and_the_config() -> None:
+    lines = next_step_lines("s3://bucket/run/iter_0000010", "cloudckpt", config="/etc/t.yaml")
+    assert lines == [
+        "next steps:",
+        "  cloudckpt ls s3://bucket/run --config /etc/t.yaml",
+        "  cloudckpt verify s3://bucket/run/iter_0000010 --deep --config /etc/t.yaml",
+    ]
+    relative = next_step_lines("ckpt dir/iter_0000010", ".venv/bin/cloudckpt")
+    assert relative[0] == f"next steps (from {os.getcwd()}):"
+    assert relative[1:] == [
+        "  .venv/bin/cloudckpt ls 'ckpt dir'",
+        "  .venv/bin/cloudckpt verify 'ckpt dir/iter_0000010' --deep",
+    ]
 
 
 def test_demo_two_ranks(tmp_path: Path) -> None:
@@ -135,6 +229,10 @@ def test_demo_on_gcs_configured_by_a_yaml_file(
     proc = _demo_args(["--config", str(config), "--world-size", "2"], env=_env())
     _assert_all_match(proc, 2)
     assert f"checkpoint:   {uri}" in proc.stdout
+    # the next commands need the config's storage options too
+    _, commands = _next_steps(proc.stdout)
+    assert commands[0][-4:] == ["ls", f"{bucket_uri}/demo-run", "--config", str(config)]
+    assert commands[1][-5:] == ["verify", uri, "--deep", "--config", str(config)]
     stored = CheckpointStorage(uri, storage_options=options).list()
     assert "metadata.json" in stored and "common.pt" in stored
 

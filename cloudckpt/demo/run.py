@@ -18,6 +18,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import posixpath
+import shlex
+import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from cloudckpt.config import CheckpointConfig
+from cloudckpt.config import CheckpointConfig, redact_uri
 from cloudckpt.demo.model import (
     GPTConfig,
     Layout,
@@ -39,6 +43,7 @@ from cloudckpt.demo.model import (
 from cloudckpt.demo.train import BETAS, EPS, STATE_NAMES, Tensors, Trainer
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.launch import run_on_ranks
+from cloudckpt.manifest import MANIFEST_FNAME, Manifest
 from cloudckpt.mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 from cloudckpt.serialization import load, save
 from cloudckpt.storage import open_checkpoint
@@ -106,10 +111,13 @@ class DemoResult:
         world_size: ranks that ran.
         save_layout: e.g. ``"TP=2 x DP=2"``.
         load_layout: e.g. ``"TP=1 x DP=4"``.
-        num_tensors: tensors per rank in the loaded state dict (model + optimizer).
+        num_tensors: tensors in each rank's state dict (model + optimizer), each a shard
+            of a global tensor.
         num_arrays: global tensors stored in the checkpoint (fused QKV stored as q, k, v).
         tensor_bytes: bytes of all global tensors (the payload saved and loaded).
-        stored_objects: objects found under the checkpoint URI after the save.
+        stored_objects: objects of the checkpoint as ``cloudckpt verify`` counts them:
+            those its manifest lists (every object but manifest.json and metadata.json).
+        stored_bytes: their total size.
         save_s: wall time of ``save`` (all ranks, barrier to barrier).
         load_s: wall time of ``load``.
         first_loss: DP-mean loss of the first step.
@@ -124,6 +132,7 @@ class DemoResult:
     num_arrays: int
     tensor_bytes: int
     stored_objects: int
+    stored_bytes: int
     save_s: float
     load_s: float
     first_loss: float
@@ -133,21 +142,85 @@ class DemoResult:
     def summary_lines(self, uri: str) -> list[str]:
         """Human-readable summary, one line each."""
         mb = self.tensor_bytes / 1e6
-        counts = f"{self.num_tensors} per rank, {self.num_arrays} in the checkpoint"
+        resharded = ", after resharding" if self.save_layout != self.load_layout else ""
         lines = [
-            f"checkpoint:   {uri}",
-            f"world size:   {self.world_size} ranks (gloo, CPU)",
+            f"checkpoint:   {redact_uri(uri)}",
+            f"world size:   {_plural(self.world_size, 'rank')} (gloo, CPU)",
             f"save layout:  {self.save_layout}; load layout: {self.load_layout}",
             f"training:     loss {self.first_loss:.4f} -> {self.last_loss:.4f}",
-            f"tensors:      {counts}, {mb:.2f} MB of tensor data, {self.stored_objects} objects",
+            f"tensors:      {self.num_tensors} per rank (each rank's state dict holds its shard "
+            "of every model and Adam tensor)",
+            f"              {self.num_arrays} in the checkpoint (whole tensors; the fused QKV "
+            f"stored as q, k, v), {mb:.2f} MB",
+            f"objects:      {self.stored_objects} in the checkpoint, "
+            f"{self.stored_bytes / 1e6:.2f} MB (counted as `cloudckpt verify` does:",
+            "              the manifest's objects, without manifest.json and metadata.json)",
             f"save:         {self.save_s:.3f} s, {mb / max(self.save_s, 1e-9):.1f} MB/s",
             f"load:         {self.load_s:.3f} s, {mb / max(self.load_s, 1e-9):.1f} MB/s",
         ]
         if self.mismatches:
             lines.append(f"MISMATCH:     {len(self.mismatches)} differences")
         else:
-            lines.append(f"result:       all {self.num_tensors} tensors match on every rank")
+            lines.append(
+                f"result:       all {self.num_tensors} tensors match on every rank "
+                f"(bit for bit{resharded})"
+            )
         return lines
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def cli_command(
+    executable: str | None = None, path: str | None = None, cwd: str | None = None
+) -> str:
+    """How to run ``cloudckpt`` from ``cwd`` with this installation, as a shell word list.
+
+    ``cloudckpt`` when the console script on ``PATH`` is this interpreter's; else that
+    script by path (relative to ``cwd`` when below it, e.g. ``.venv/bin/cloudckpt``);
+    else ``<python> -m cloudckpt``. Arguments default to this process's.
+    """
+    executable = executable or sys.executable
+    cwd = cwd or os.getcwd()
+    script = os.path.join(os.path.dirname(executable), "cloudckpt")
+    if not os.access(script, os.X_OK):
+        return f"{shlex.quote(_shorten(executable, cwd))} -m cloudckpt"
+    on_path = shutil.which("cloudckpt", path=path)
+    if on_path and os.path.realpath(on_path) == os.path.realpath(script):
+        return "cloudckpt"
+    return shlex.quote(_shorten(script, cwd))
+
+
+def _shorten(path: str, cwd: str) -> str:
+    """``path`` relative to ``cwd`` when below it (and ``cwd`` is not ``/``), else as is."""
+    rel = os.path.relpath(path, cwd)
+    return path if rel.startswith("..") or os.path.dirname(cwd) == cwd else rel
+
+
+def next_step_lines(uri: str, command: str | None = None, config: str | None = None) -> list[str]:
+    """The commands that list and check the demo's checkpoint, runnable as printed
+    (``config``: the demo's ``--config`` file, which they need too)."""
+    shown = redact_uri(uri)
+    if shown.startswith("memory://"):
+        return [
+            "next:         memory:// lives only in this process and is gone now; to look at",
+            "              the checkpoint afterwards, pass a path or an s3:// or gs:// --uri",
+        ]
+    command = command or cli_command()
+    run_dir = posixpath.dirname(shown.rstrip("/")) or "."
+    if "://" in shown and "://" not in run_dir:
+        run_dir = shown  # the URI is a bucket root: nothing above it to list
+    options = f" --config {shlex.quote(config)}" if config else ""
+    # relative paths (of the command, a local checkpoint, the config) hold from here
+    words = (shlex.split(command)[0], shown, config or "/")
+    relative = [w for w in words if "://" not in w and w != "cloudckpt"]
+    where = f" (from {os.getcwd()})" if any(not os.path.isabs(w) for w in relative) else ""
+    return [
+        f"next steps{where}:",
+        f"  {command} ls {shlex.quote(run_dir)}{options}",
+        f"  {command} verify {shlex.quote(shown)} --deep{options}",
+    ]
 
 
 # -- parent side ------------------------------------------------------------------------
@@ -238,7 +311,7 @@ def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult |
     rng_obj = {"rank": rank, "torch_rng": torch.get_rng_state(), "samples": options.steps}
     state = _save_state_dict(trainer, options, rng_obj)
     save_s = _timed(lambda: save(state, options.uri, config=options.checkpoint))
-    stored = len(open_checkpoint(options.uri, config=options.checkpoint).list()) if rank == 0 else 0
+    stored = _manifest(options) if rank == 0 else None
     request = _load_state_dict(trainer.specs, load_layout, options)
     loaded: dict[str, Any] = {}
     load_s = _timed(lambda: loaded.update(_load(request, options)))
@@ -254,13 +327,20 @@ def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult |
         num_tensors=len(expected),
         num_arrays=len(checkpoint_tensor_keys(trainer.specs, STATE_NAMES)),
         tensor_bytes=sum(s.numel for s in trainer.specs) * 4 * (1 + len(STATE_NAMES)),
-        stored_objects=stored,
+        stored_objects=len(stored.objects) if stored else 0,
+        stored_bytes=stored.total_size if stored else 0,
         save_s=save_s,
         load_s=load_s,
         first_loss=losses[0],
         last_loss=losses[-1],
         mismatches=tuple(all_mismatches),
     )
+
+
+def _manifest(options: DemoOptions) -> Manifest:
+    """The saved checkpoint's manifest: what ``cloudckpt verify`` counts."""
+    store = open_checkpoint(options.uri, config=options.checkpoint)
+    return Manifest.from_json(store.read(MANIFEST_FNAME), store.child_uri(MANIFEST_FNAME))
 
 
 def _load(request: ShardedStateDict, options: DemoOptions) -> dict[str, Any]:
