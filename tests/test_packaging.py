@@ -292,3 +292,31 @@ def test_demo_script_help_skips_the_install_when_current(fake_repo: Path) -> Non
     calls = (fake_repo / "calls.log").read_text().splitlines()
     assert not [c for c in calls if "pip" in c]
     assert calls[-1] == "cloudckpt demo --help"
+
+
+# -- the design document ----------------------------------------------------------------
+
+
+def test_readme_links_the_design_shipped_in_the_repo() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "[docs/design.md](docs/design.md)" in readme
+    assert "shared/" not in readme
+    assert (REPO_ROOT / "docs" / "design.md").is_file()
+
+
+def test_design_names_only_modules_that_exist_and_the_commit_objects() -> None:
+    design = (REPO_ROOT / "docs" / "design.md").read_text()
+    layout = design[design.index("## Package layout"):design.index("## Checkpoint layout")]
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", layout))
+    package = REPO_ROOT / "cloudckpt"
+    existing = {p.name for p in package.rglob("*.py")}
+    assert named - existing == set()
+    # every module of the package is described
+    assert existing - named - {"__main__.py"} == set()
+    for fact in (".cloudckpt-claim.json", "amend_manifest", "exchange_tensors",
+                 "plan_flat_chunks", "MissingDependencyError"):
+        assert fact in design, fact
+    code = "\n".join(p.read_text() for p in package.rglob("*.py"))
+    for name in ("amend_manifest", "exchange_tensors", "plan_flat_chunks",
+                 "MissingDependencyError", "check_compatibility", "validate_relpath"):
+        assert f"def {name}(" in code or f"class {name}(" in code, name
