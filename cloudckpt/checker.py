@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cloudckpt.commit import CommitState
-from cloudckpt.config import CheckpointConfig
+from cloudckpt.commit import CommitState, no_checkpoint_error
+from cloudckpt.config import CheckpointConfig, redact_uri
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig
 from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestEntry, ManifestError
@@ -113,6 +113,7 @@ def verify(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     progress: ProgressFn | None = None,
+    collective: bool = False,
 ) -> ConsistencyReport:
     """Check a checkpoint against its manifest.
 
@@ -123,24 +124,35 @@ def verify(
         config: part size (bytes per read) and ``max_in_flight`` (objects read at once).
         progress: called with a number of bytes as deep checksumming advances (from
             worker threads, one call at a time).
+        collective: call on every rank of the default process group: rank 0 checks
+            and sends the report to all, and its failure is raised on every rank
+            (default: this rank alone).
 
     Returns:
         The report; ``report.ok`` is True for a committed checkpoint without problems.
 
     Raises:
-        CheckpointNotFoundError: nothing at all is stored at ``uri``.
+        CheckpointNotFoundError: no checkpoint at ``uri``: none of ``metadata.json``,
+            ``manifest.json`` and the claim is there (nothing, or other data).
         StorageError: the store could not be listed or read.
     """
+    if collective:
+        from cloudckpt import dist  # noqa: PLC0415 - torch only when called collectively
+
+        return dist.run_on_coordinator(
+            lambda: verify(uri, deep, storage_options=storage_options, config=config),
+            f"verifying checkpoint {redact_uri(uri)!r}",
+        )
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
     listing = storage.list_sizes()
-    uploads = storage.open_uploads()
-    if not listing and not uploads:
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.uri!r}")
     state = CommitState(  # existence from the listing: no request per commit file
         metadata=CONFIG_FNAME in listing,
         manifest=MANIFEST_FNAME in listing,
         claim=CLAIM_FNAME in listing,
     )
+    if state.absent:  # nothing, or other data: not a damaged checkpoint, none at all
+        raise no_checkpoint_error(storage.uri, len(listing))
+    uploads = storage.open_uploads()
     backends, problems = _read_backends(storage, state)
     manifest, manifest_problems = _read_manifest(storage, state)
     problems = _commit_problems(state) + _upload_problems(uploads) + problems + manifest_problems

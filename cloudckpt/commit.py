@@ -62,6 +62,11 @@ class CommitState:
         return self.metadata and not self.manifest and not self.claim
 
     @property
+    def absent(self) -> bool:
+        """No commit object at all: whatever is stored there is no checkpoint."""
+        return not (self.metadata or self.manifest or self.claim)
+
+    @property
     def committed(self) -> bool:
         """``metadata.json`` and, for a cloudckpt checkpoint, ``manifest.json``."""
         return self.metadata and (self.manifest or not self.claim)
@@ -83,18 +88,32 @@ def read_commit_state(storage: CheckpointStorage) -> CommitState:
     )
 
 
+def no_checkpoint_error(uri: str, objects: int) -> CheckpointNotFoundError:
+    """``no checkpoint at URI``, saying what lies there instead (``objects`` of them);
+    ``uri`` redacted."""
+    if not objects:
+        return CheckpointNotFoundError(f"no checkpoint at {uri!r}: nothing is stored there")
+    return CheckpointNotFoundError(
+        f"no checkpoint at {uri!r}: it holds {objects} object{'s' if objects != 1 else ''} "
+        f"but no {CONFIG_FNAME}, {MANIFEST_FNAME} or {CLAIM_FNAME} (a parent prefix, or "
+        "another kind of data?)"
+    )
+
+
 def require_committed(storage: CheckpointStorage) -> CommitState:
     """The commit state of a checkpoint that must be committed.
 
     Raises:
-        CheckpointNotFoundError: nothing is stored at the URI.
-        UncommittedCheckpointError: naming the missing commit objects.
+        CheckpointNotFoundError: no checkpoint at the URI: none of the commit objects
+            exists (an empty or missing directory, or one holding other data).
+        UncommittedCheckpointError: a claim or manifest without ``metadata.json`` (a
+            save that failed or still runs), naming the missing commit objects.
     """
     state = read_commit_state(storage)
     if state.committed:
         return state
-    if not state.claim and not state.manifest and storage.is_empty():
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.uri!r}")
+    if state.absent:
+        raise no_checkpoint_error(storage.uri, len(storage.list()))
     raise UncommittedCheckpointError(
         f"checkpoint {storage.uri!r} is not committed: {' and '.join(state.missing())} "
         f"{'is' if len(state.missing()) == 1 else 'are'} missing (the save failed, is still "

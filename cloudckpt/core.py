@@ -16,6 +16,7 @@ from cloudckpt.errors import (
     CheckpointNotFoundError,
     UncommittedCheckpointError,
 )
+from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME
 from cloudckpt.storage import CheckpointStorage, WriteResult
 
 logger = logging.getLogger(__name__)
@@ -73,14 +74,18 @@ def load_config(storage: CheckpointStorage) -> CheckpointingConfig:
     """The checkpoint's config.
 
     Raises:
-        CheckpointNotFoundError: nothing is stored at the URI.
-        UncommittedCheckpointError: objects exist but ``metadata.json`` does not.
+        CheckpointNotFoundError: no checkpoint at the URI (no ``metadata.json``,
+            manifest or claim: nothing, or other data).
+        UncommittedCheckpointError: a manifest or claim exists but ``metadata.json`` does not.
     """
     config = maybe_load_config(storage)
     if config is not None:
         return config
-    if storage.is_empty():
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.uri!r}")
+    if not storage.exists(MANIFEST_FNAME) and not storage.exists(CLAIM_FNAME):
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {storage.uri!r}: no {CONFIG_FNAME}, {MANIFEST_FNAME} or "
+            f"{CLAIM_FNAME} there"
+        )
     raise UncommittedCheckpointError(
         f"checkpoint {storage.uri!r} is not committed: {CONFIG_FNAME} is missing (the save "
         "did not finish, or is still running)"

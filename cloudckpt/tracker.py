@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from cloudckpt.commit import read_commit_state
-from cloudckpt.config import CheckpointConfig
+from cloudckpt.commit import no_checkpoint_error, read_commit_state
+from cloudckpt.config import CheckpointConfig, redact_uri
 from cloudckpt.core import CONFIG_FNAME
-from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.errors import CheckpointNotFoundError
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestError
 from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
 
@@ -154,10 +154,23 @@ def latest(
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
+    collective: bool = False,
 ) -> str | None:
     """URI of the committed checkpoint with the highest iteration (then the newest commit
     time, then the greatest name) under ``parent_uri``, or None. Uncommitted checkpoints
-    (a save running or failed) never count: the answer advances only after a commit."""
+    (a save running or failed) never count: the answer advances only after a commit.
+
+    With ``collective=True`` (call it on every rank of the default process group), rank
+    0 lists the prefix once and every rank gets its answer, or its error; so every rank
+    resumes from the same checkpoint.
+    """
+    if collective:
+        from cloudckpt import dist  # noqa: PLC0415 - torch only when called collectively
+
+        return dist.run_on_coordinator(
+            lambda: latest(parent_uri, storage_options=storage_options, config=config),
+            f"finding the latest checkpoint under {redact_uri(parent_uri)!r}",
+        )
     infos = list_checkpoints(parent_uri, storage_options=storage_options, config=config)
     ordered = _newest_first(infos)
     return ordered[0].uri if ordered else None
@@ -181,9 +194,9 @@ def remove_checkpoint(
     :func:`collect_garbage`) finishes the job. ``progress(1)`` follows each delete.
 
     Raises:
-        CheckpointNotFoundError: nothing is stored at ``uri``.
-        CheckpointingException: ``uri`` holds objects but no ``metadata.json``,
-            ``manifest.json`` or claim: not a checkpoint (a parent prefix?); nothing deleted.
+        CheckpointNotFoundError: no checkpoint at ``uri``: nothing is stored there, or
+            objects but no ``metadata.json``, ``manifest.json`` or claim (a parent
+            prefix?); nothing is deleted.
         StorageError: a delete failed (naming the object).
     """
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
@@ -192,14 +205,9 @@ def remove_checkpoint(
 
 def _remove(storage: CheckpointStorage, raw_uri: str, progress: ProgressFn | None) -> int:
     listing = storage.list()
+    if not any(name in listing for name in COMMIT_FILES):  # nothing removed
+        raise no_checkpoint_error(storage.uri, len(listing))
     uploads = storage.open_uploads()
-    if not listing and not uploads:
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.uri!r}")
-    if listing and not any(name in listing for name in COMMIT_FILES):
-        raise CheckpointingException(
-            f"refusing to remove {storage.uri!r}: it holds {len(listing)} objects but no "
-            f"{', '.join(COMMIT_FILES)}, so it is not a checkpoint (a parent prefix?)"
-        )
     counter = _Counter(progress)
     for name in (CONFIG_FNAME, MANIFEST_FNAME):  # uncommit first
         if name in listing:

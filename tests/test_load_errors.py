@@ -5,6 +5,7 @@ holds no checkpoint at all."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,13 @@ from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointKeyNotFoundError,
+    CheckpointNotFoundError,
     CorruptObjectError,
+    UncommittedCheckpointError,
 )
 from cloudckpt.launch import RankPool
 from cloudckpt.strategies.base import StrategyAction, get_default_strategy
+from cloudckpt.tracker import remove_checkpoint
 
 BACKENDS = ("zarr", "torch_dist")
 
@@ -118,3 +122,74 @@ def test_a_key_missing_on_one_rank_fails_every_rank_naming_it(
     for outcome in outcomes:
         assert outcome.startswith("CheckpointKeyNotFoundError"), outcomes
         assert "rank 2" in outcome and "'only_rank_2'" in outcome and uri in outcome, outcome
+
+
+# -- no checkpoint at all vs a half-written one ------------------------------------------
+
+READERS = {
+    "load": lambda uri: cloudckpt.load({"w": _tensor("w")}, uri),
+    "load_common_state_dict": cloudckpt.load_common_state_dict,
+    "load_tensors_metadata": cloudckpt.load_tensors_metadata,
+    "load_sharded_metadata": cloudckpt.load_sharded_metadata,
+    "verify": cloudckpt.verify,
+    "remove_checkpoint": remove_checkpoint,
+}
+
+
+def _no_checkpoint(tmp_path: Path, kind: str) -> Path:
+    """A location that holds no checkpoint: nothing, other data, or checkpoints below it."""
+    where = tmp_path / kind
+    if kind == "empty-directory":
+        where.mkdir()
+    elif kind == "unrelated-files":
+        (where / "logs").mkdir(parents=True)
+        (where / "logs" / "train.log").write_text("step 1\n")
+        (where / "notes.txt").write_text("not a checkpoint\n")
+    elif kind == "parent-of-checkpoints":
+        _save(str(where / "iter_0000001"), "zarr")
+    return where
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.parametrize(
+    "kind", ["nonexistent", "empty-directory", "unrelated-files", "parent-of-checkpoints"]
+)
+def test_no_checkpoint_at_the_uri_is_not_found_not_uncommitted(
+    tmp_path: Path, kind: str, reader: str
+) -> None:
+    where = _no_checkpoint(tmp_path, kind)
+    before = sorted(where.rglob("*")) if where.exists() else None
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at") as caught:
+        READERS[reader](str(where))
+    assert not isinstance(caught.value, UncommittedCheckpointError)
+    assert repr(str(where)) in str(caught.value)
+    assert (sorted(where.rglob("*")) if where.exists() else None) == before  # nothing removed
+
+
+def _half_written(tmp_path: Path, kind: str) -> Path:
+    where = tmp_path / "ckpt"
+    _save(str(where), "zarr")
+    (where / "metadata.json").unlink()
+    if kind == "claim-only":
+        for path in where.iterdir():
+            if path.name != ".cloudckpt-claim.json":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return where
+
+
+@pytest.mark.parametrize("reader", [r for r in READERS if r not in ("verify", "remove_checkpoint")])
+@pytest.mark.parametrize("kind", ["manifest-without-metadata", "claim-only"])
+def test_a_half_written_checkpoint_stays_uncommitted(
+    tmp_path: Path, kind: str, reader: str
+) -> None:
+    where = _half_written(tmp_path, kind)
+    with pytest.raises(UncommittedCheckpointError, match="is not committed") as caught:
+        READERS[reader](str(where))
+    assert not isinstance(caught.value, FileNotFoundError)
+
+
+@pytest.mark.parametrize("kind", ["manifest-without-metadata", "claim-only"])
+def test_verify_reports_a_half_written_checkpoint_as_uncommitted(tmp_path: Path, kind: str) -> None:
+    report = cloudckpt.verify(str(_half_written(tmp_path, kind)))
+    assert not report.ok and not report.committed
+    assert "missing-metadata" in {p.kind for p in report.problems}

@@ -24,7 +24,6 @@ import cloudckpt
 from cloudckpt import ShardedTensor
 from cloudckpt.checker import verify
 from cloudckpt.errors import (
-    CheckpointingException,
     CheckpointNotFoundError,
     StorageError,
     UncommittedCheckpointError,
@@ -151,7 +150,7 @@ def test_remove_checkpoint(run: StoreLocation) -> None:
 def test_remove_refuses_a_prefix_that_is_not_a_checkpoint(run: StoreLocation) -> None:
     parent, options = run
     everything = _objects(parent, options)
-    with pytest.raises(CheckpointingException, match="not a checkpoint"):
+    with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint at .*a parent prefix"):
         remove_checkpoint(parent, storage_options=options)
     assert _objects(parent, options) == everything
 
