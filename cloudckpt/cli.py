@@ -1,7 +1,7 @@
 """The ``cloudckpt`` command line.
 
 ``ls PARENT_URI`` (checkpoints: committed?, size, time), ``inspect URI`` (tensors, common
-keys, writer), ``verify URI [--deep]`` (exit 0 ok, 1 inconsistent, 2 error), ``gc
+keys, writer), ``verify URI [--deep]`` (consistent with its manifest?), ``gc
 PARENT_URI --keep-last N [--dry-run]`` (old and uncommitted checkpoints, stale multipart
 uploads), ``rm URI`` and ``demo`` (train, save, reload resharded on CPU ranks).
 
@@ -13,9 +13,12 @@ printed carries a secret: URIs are redacted, storage options never echoed.
 
 Each subcommand is one ``_add_<name>`` function that registers its parser and sets
 ``handler`` to a ``(argparse.Namespace) -> int`` function; adding a subcommand means
-adding that function to :data:`_SUBCOMMANDS`. Handlers return the exit status; a
-:class:`~cloudckpt.errors.CheckpointingException` or ``OSError`` escaping a handler is
-printed without a traceback and exits with status 1, a :class:`UsageError` with 2.
+adding that function to :data:`_SUBCOMMANDS`. Handlers return the exit status; an error
+escaping a handler is printed without a traceback (with ``--json``, also as a JSON document
+on stdout) and :func:`exit_status` maps its type to the status, the same for every
+subcommand (:data:`EXIT_STATUS_HELP`): 0 success; 1 a checkpoint problem found (uncommitted,
+inconsistent, corrupt, incompatible, conflicting); 2 usage error, no checkpoint at the URI,
+unreachable store or refused or missing credentials.
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ from cloudckpt.cli_format import (
     verify_lines,
 )
 from cloudckpt.config import CheckpointConfig, ConfigError, from_yaml, redact_uri
-from cloudckpt.errors import CheckpointingException
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointNotFoundError,
+    CorruptObjectError,
+    StorageError,
+)
+from cloudckpt.storage import open_checkpoint
 
 Handler = Callable[[argparse.Namespace], int]
 Subparsers = Any  # argparse._SubParsersAction is private
@@ -54,6 +63,37 @@ DEFAULT_GRACE_S = 3600.0
 
 class UsageError(Exception):
     """Bad arguments found after parsing (e.g. an unreadable --config): exit status 2."""
+
+
+EXIT_OK = 0
+EXIT_PROBLEM = 1  # a checkpoint problem found
+EXIT_UNAVAILABLE = 2  # usage error, no checkpoint at the URI, store unreachable or refused
+
+# the first entry whose type matches an escaping error gives the exit status
+_EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    (UsageError, EXIT_UNAVAILABLE),
+    (ConfigError, EXIT_UNAVAILABLE),
+    (CorruptObjectError, EXIT_PROBLEM),  # a StorageError, but about the checkpoint
+    (CheckpointNotFoundError, EXIT_UNAVAILABLE),
+    (StorageError, EXIT_UNAVAILABLE),  # unreachable, credentials, missing extra, I/O
+    (CheckpointingException, EXIT_PROBLEM),  # uncommitted, bad manifest, conflict, ...
+    (OSError, EXIT_UNAVAILABLE),
+    (ValueError, EXIT_UNAVAILABLE),
+)
+
+EXIT_STATUS_HELP = """\
+exit status (every command):
+  0  success (verify: the checkpoint is consistent)
+  1  a checkpoint problem was found: uncommitted, inconsistent or corrupt (verify not
+     OK), incompatible, or already written (convert)
+  2  usage error, no checkpoint at the URI (or nothing under PARENT_URI), store
+     unreachable, credentials refused or missing, or another storage failure
+"""
+
+
+def exit_status(error: BaseException) -> int:
+    """The exit status of a command that raised ``error`` (see :data:`EXIT_STATUS_HELP`)."""
+    return next((code for kind, code in _EXIT_STATUS if isinstance(error, kind)), EXIT_PROBLEM)
 
 
 def _default_uri(steps: int) -> str:
@@ -252,6 +292,12 @@ def _at_least(cast: Callable[[str], float], low: float, what: str) -> Callable[[
     return parse
 
 
+def _target(args: argparse.Namespace) -> str:
+    """The URI a command works on, for its JSON error document."""
+    names = ("uri", "parent_uri", "src_uri")
+    return next((str(getattr(args, n)) for n in names if getattr(args, n, None)), "")
+
+
 def _print_error(args: argparse.Namespace, exc: BaseException) -> None:
     print(f"cloudckpt {args.command}: error: {redact_uri(str(exc))}", file=sys.stderr)
 
@@ -266,15 +312,28 @@ def _add_ls(subparsers: Subparsers) -> None:
         description="List every checkpoint directly under PARENT_URI (e.g. s3://bucket/run, "
         "holding iter_0001000, iter_0002000, ...): name, iteration, state (committed, "
         "uncommitted, or foreign: committed by Megatron-Core or PyTorch without a manifest), "
-        "size, commit time and writer world size.",
+        "size, commit time and writer world size. Nothing stored under PARENT_URI at all is an "
+        "error (exit 2); a prefix holding other objects but no checkpoint lists none (exit 0).",
     )
     parser.add_argument("parent_uri", metavar="PARENT_URI", help="prefix holding checkpoints")
     _add_store_options(parser)
     parser.set_defaults(handler=_cmd_ls)
 
 
+def _require_stored(parent_uri: str, kwargs: dict[str, Any]) -> None:
+    """A parent prefix under which nothing is stored (a typo?) is an error, not an empty
+    listing; one holding other objects but no checkpoint is listed as empty."""
+    if open_checkpoint(parent_uri, **kwargs).is_empty():
+        raise CheckpointNotFoundError(
+            f"no checkpoint under {redact_uri(parent_uri)!r}: nothing is stored there"
+        )
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
-    infos = tracker.list_checkpoints(args.parent_uri, **_library_kwargs(args))
+    kwargs = _library_kwargs(args)
+    infos = tracker.list_checkpoints(args.parent_uri, **kwargs)
+    if not infos:
+        _require_stored(args.parent_uri, kwargs)
     if args.json:
         print(dump_json(ls_records(infos)))
     else:
@@ -293,7 +352,8 @@ def _add_inspect(subparsers: Subparsers) -> None:
         "object count and size, every tensor (key, global shape, dtype, chunk shape) and the "
         "common-state keys. A cloudckpt checkpoint is described by its manifest alone; one "
         "written by Megatron-Core or PyTorch (no manifest) by its tensor metadata and common "
-        "state. An uncommitted checkpoint is an error (exit 1).",
+        "state. An uncommitted checkpoint is an error (exit 1); no checkpoint at the URI "
+        "too (exit 2).",
     )
     parser.add_argument("uri", metavar="URI", help="checkpoint URI or local path")
     _add_store_options(parser)
@@ -318,9 +378,10 @@ def _add_verify(subparsers: Subparsers) -> None:
         help="check a checkpoint against its manifest",
         description="Check that a checkpoint is committed and consistent with its manifest: "
         "every listed object present with its size, no orphan objects, no open multipart "
-        "uploads; with --deep also the CRC-32C of every object's bytes. Exit status: 0 "
-        "consistent, 1 inconsistent (uncommitted or problems found), 2 error (nothing at the "
-        "URI, storage failure, bad arguments).",
+        "uploads; with --deep also the CRC-32C of every object's bytes. Exit status, as for "
+        "every command (cloudckpt --help): 0 consistent; 1 inconsistent (uncommitted or "
+        "problems found); 2 no checkpoint at the URI, store unreachable, credentials refused "
+        "or missing, or bad arguments.",
     )
     parser.add_argument("uri", metavar="URI", help="checkpoint URI or local path")
     parser.add_argument(
@@ -333,19 +394,13 @@ def _add_verify(subparsers: Subparsers) -> None:
 def _cmd_verify(args: argparse.Namespace) -> int:
     if not args.verbose:  # the report printed says what the checker would warn about
         logging.getLogger(checker.__name__).setLevel(logging.ERROR)
-    try:
-        kwargs = _library_kwargs(args)
-        show = args.deep and _show_progress(args)
-        total = manifest_size(args.uri, **kwargs) if show else None
-        with progress_bar(show, "verify", "B", total) as progress:
-            report = checker.verify(args.uri, args.deep, progress=progress, **kwargs)
-    except (CheckpointingException, UsageError, OSError, ValueError) as exc:
-        _print_error(args, exc)
-        if args.json:
-            print(dump_json({"uri": args.uri, "ok": False, "error": str(exc)}))
-        return 2
+    kwargs = _library_kwargs(args)
+    show = args.deep and _show_progress(args)
+    total = manifest_size(args.uri, **kwargs) if show else None
+    with progress_bar(show, "verify", "B", total) as progress:
+        report = checker.verify(args.uri, args.deep, progress=progress, **kwargs)
     print(dump_json(report.to_dict()) if args.json else "\n".join(verify_lines(report)))
-    return 0 if report.ok else 1
+    return EXIT_OK if report.ok else EXIT_PROBLEM
 
 
 # -- gc --------------------------------------------------------------------------------------
@@ -383,21 +438,18 @@ def _add_gc(subparsers: Subparsers) -> None:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    try:
-        kwargs = _library_kwargs(args)
-        show = not args.dry_run and _show_progress(args)
-        with progress_bar(show, "gc: deleted", " objects") as progress:
-            report = tracker.collect_garbage(
-                args.parent_uri,
-                args.keep_last,
-                grace_s=args.grace,
-                dry_run=args.dry_run,
-                progress=progress,
-                **kwargs,
-            )
-    except (CheckpointingException, UsageError, OSError, ValueError) as exc:
-        _print_error(args, exc)
-        return 2
+    kwargs = _library_kwargs(args)
+    _require_stored(args.parent_uri, kwargs)
+    show = not args.dry_run and _show_progress(args)
+    with progress_bar(show, "gc: deleted", " objects") as progress:
+        report = tracker.collect_garbage(
+            args.parent_uri,
+            args.keep_last,
+            grace_s=args.grace,
+            dry_run=args.dry_run,
+            progress=progress,
+            **kwargs,
+        )
     print(dump_json(report.to_dict()) if args.json else "\n".join(gc_lines(report, args.keep_last)))
     return 0
 
@@ -531,6 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cloudckpt",
         description="Sharded PyTorch checkpoints on object storage and local disks.",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)"
@@ -548,8 +602,9 @@ def main(argv: list[str] | None = None) -> int:
         argv: arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 on success, 1 when the command failed, 2 on bad usage
-        (``verify``: 1 inconsistent, 2 error).
+        The exit status, the same contract for every subcommand (:data:`EXIT_STATUS_HELP`):
+        0 success; 1 a checkpoint problem found; 2 usage error, no checkpoint at the URI,
+        unreachable store or refused credentials.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -558,12 +613,11 @@ def main(argv: list[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
-    except UsageError as exc:
+    except (CheckpointingException, UsageError, OSError, ValueError) as exc:
         _print_error(args, exc)
-        return 2
-    except (CheckpointingException, OSError) as exc:
-        _print_error(args, exc)
-        return 1
+        if getattr(args, "json", False):
+            print(dump_json({"uri": _target(args), "ok": False, "error": str(exc)}))
+        return exit_status(exc)
     except KeyboardInterrupt:
         print(f"cloudckpt {args.command}: interrupted", file=sys.stderr)
         return 130

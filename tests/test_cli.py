@@ -16,8 +16,9 @@ import torch
 import yaml
 
 import cloudckpt
-from cloudckpt import ShardedTensor
+from cloudckpt import ShardedTensor, cli
 from tests.fixtures_object_stores import S3Endpoint
+from tests.servers import free_loopback_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -124,9 +125,16 @@ def test_ls_json_and_an_empty_prefix(run_dir: Path, tmp_path: Path) -> None:
     assert records[0]["uri"] == f"{run_dir}/iter_0000010"
     assert records[0]["world_size"] == 1 and records[0]["created"] == manifest["created"]
 
-    empty = _cli("ls", str(tmp_path / "nothing-here"))
+    nothing = _cli("ls", str(tmp_path / "nothing-here"))
+    assert nothing.returncode == 2, _output(nothing)
+    assert f"no checkpoint under '{tmp_path / 'nothing-here'}': nothing is stored" in nothing.stderr
+    assert nothing.stdout == ""
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("no checkpoint here\n")
+    empty = _cli("ls", str(tmp_path / "other"))
     assert empty.returncode == 0, _output(empty)
-    assert empty.stdout.strip() == f"no checkpoints under {tmp_path / 'nothing-here'}"
+    assert empty.stdout.strip() == f"no checkpoints under {tmp_path / 'other'}"
 
 
 # -- inspect ------------------------------------------------------------------------------
@@ -363,3 +371,109 @@ def test_s3_via_the_environment_and_a_config_file(
     prefixes = {obj["Key"].split("/")[1] for obj in listing.get("Contents", [])}
     assert prefixes == {"iter_0000002", "iter_0000003"}
     assert s3_server.secret not in _output(inspected) + _output(collected)
+
+
+# -- one exit-status contract for every subcommand --------------------------------------
+# 0 ok; 1 a checkpoint problem found; 2 usage error, no checkpoint at the URI, store
+# unreachable or credentials refused. In-process (main()), so the matrix stays fast.
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A run with a committed and an uncommitted checkpoint, a directory of other files,
+    a missing path and a closed loopback port."""
+    root = tmp_path_factory.mktemp("exit-status")
+    _save(str(root / "run" / "iter_0000001"), 1)
+    _save(str(root / "run" / "iter_0000002"), 2)
+    (root / "run" / "iter_0000002" / "metadata.json").unlink()
+    (root / "other" / "logs").mkdir(parents=True)
+    (root / "other" / "logs" / "train.log").write_text("not a checkpoint\n")
+    return {
+        "run": str(root / "run"),
+        "committed": str(root / "run" / "iter_0000001"),
+        "uncommitted": str(root / "run" / "iter_0000002"),
+        "other": str(root / "other"),
+        "missing": str(root / "missing"),
+        "dst": str(root / "converted"),
+        "closed": f"http://127.0.0.1:{free_loopback_port()}",
+    }
+
+
+# (command words, with {placeholders} from `places`) -> expected exit status
+EXIT_MATRIX: dict[str, tuple[list[str], int]] = {
+    "ls-ok": (["ls", "{run}"], 0),
+    "ls-other-files": (["ls", "{other}"], 0),
+    "ls-missing": (["ls", "{missing}"], 2),
+    "ls-usage": (["ls", "{run}", "--no-such-flag"], 2),
+    "inspect-ok": (["inspect", "{committed}"], 0),
+    "inspect-uncommitted": (["inspect", "{uncommitted}"], 1),
+    "inspect-missing": (["inspect", "{missing}"], 2),
+    "inspect-other-files": (["inspect", "{other}"], 2),
+    "inspect-usage": (["inspect"], 2),
+    "verify-ok": (["verify", "{committed}"], 0),
+    "verify-uncommitted": (["verify", "{uncommitted}"], 1),
+    "verify-missing": (["verify", "{missing}"], 2),
+    "verify-other-files": (["verify", "{other}"], 2),
+    "verify-usage": (["verify", "{committed}", "--config", "{missing}"], 2),
+    "gc-ok": (["gc", "{run}", "--keep-last", "1", "--dry-run"], 0),
+    "gc-missing": (["gc", "{missing}", "--keep-last", "1"], 2),
+    "gc-usage": (["gc", "{run}", "--keep-last", "0"], 2),
+    "rm-missing": (["rm", "{missing}", "--yes"], 2),
+    "rm-other-files": (["rm", "{other}", "--yes"], 2),
+    "rm-usage": (["rm", "{committed}"], 2),  # no --yes and no terminal
+    "convert-uncommitted": (["convert", "{uncommitted}", "{dst}"], 1),
+    "convert-missing": (["convert", "{missing}", "{dst}"], 2),
+    "convert-usage": (["convert", "{committed}", "{dst}", "--backend", "nope"], 2),
+}
+STORE_COMMANDS = {
+    "ls": ["ls", "s3://bucket/run"],
+    "inspect": ["inspect", "s3://bucket/run/iter_1"],
+    "verify": ["verify", "s3://bucket/run/iter_1"],
+    "gc": ["gc", "s3://bucket/run", "--keep-last", "1"],
+    "rm": ["rm", "s3://bucket/run/iter_1", "--yes"],
+    "convert": ["convert", "s3://bucket/run/iter_1", "{dst}"],
+}
+
+
+def _main(words: list[str], places: dict[str, str]) -> int:
+    argv = [w.format(**places) for w in words]
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        return int(exc.code or 0)
+
+
+@pytest.mark.parametrize("case", list(EXIT_MATRIX))
+def test_exit_status_contract(
+    case: str, places: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    words, expected = EXIT_MATRIX[case]
+    assert _main(words, places) == expected, capsys.readouterr()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if case.endswith(("-missing", "-other-files")) and expected == 2:
+        assert "no checkpoint" in err
+
+
+@pytest.mark.parametrize("command", list(STORE_COMMANDS))
+def test_an_unreachable_store_is_exit_status_2_for_every_command(
+    command: str,
+    places: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", places["closed"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFAKE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "fake-secret")
+    assert _main(STORE_COMMANDS[command], places) == 2
+    assert "cannot reach the S3 endpoint" in capsys.readouterr().err
+
+
+def test_help_documents_the_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _main(["--help"], {}) == 0
+    out = capsys.readouterr().out
+    assert "exit status (every command):" in out
+    assert "0  success" in out and "1  a checkpoint problem" in out
+    assert "2  usage error, no checkpoint at the URI" in out
