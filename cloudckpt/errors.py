@@ -100,6 +100,19 @@ class StorageError(CheckpointingException, OSError):
     """An object could not be written, read, listed or deleted."""
 
 
+class StorageUnreachableError(StorageError, ConnectionError):
+    """The object store's endpoint cannot be reached (connection refused, DNS, timeout).
+
+    The message names the URI (redacted), the endpoint tried and the settings that
+    choose it (environment, ``--storage-option``, the config's ``storage_options``).
+    """
+
+
+class StorageAccessDeniedError(StorageError, PermissionError):
+    """The object store refused the credentials (unknown key, bad signature, access
+    denied, expired token) or none were found; the message names the settings to fix."""
+
+
 class ObjectExistsError(StorageError, FileExistsError):
     """A create-only write found the object already there."""
 

@@ -40,6 +40,7 @@ import logging
 import os
 import posixpath
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -59,7 +60,9 @@ from cloudckpt.errors import (
     CorruptObjectError,
     InvalidKeyError,
     ObjectExistsError,
+    StorageAccessDeniedError,
     StorageError,
+    StorageUnreachableError,
 )
 from cloudckpt.transfer import (
     Buffer,
@@ -228,6 +231,7 @@ def _s3_client_defaults(options: dict[str, Any], max_in_flight: int) -> dict[str
     # copies all the way down: botocore rewrites the ``retries`` dict it is given
     config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
     config_kwargs.setdefault("max_pool_connections", max(10, max_in_flight))
+    config_kwargs.setdefault("connect_timeout", DATA_CONNECT_TIMEOUT_S)
     retries = config_kwargs.setdefault("retries", {})
     retries.setdefault("mode", "standard")
     retries.setdefault("max_attempts", 5)
@@ -239,6 +243,103 @@ def _s3_client_defaults(options: dict[str, Any], max_in_flight: int) -> dict[str
         "config_kwargs": config_kwargs,
         "client_kwargs": client_kwargs,
     }
+
+
+# -- the first request: fail fast, naming the setting to fix ----------------------------
+
+DATA_CONNECT_TIMEOUT_S = 10.0  # botocore's default is 60 s, times 5 attempts
+PROBE_CONNECT_TIMEOUT_S = 2.0
+PROBE_READ_TIMEOUT_S = 5.0
+AUTH_ERROR_CODES = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "InvalidToken",
+    "ExpiredToken",
+    "TokenRefreshRequired",
+    "403",
+)
+ENDPOINT_SETTINGS = (
+    "the environment (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL), --storage-option "
+    "endpoint_url=URL on the command line, or storage_options {endpoint_url: URL} in the "
+    "config or the storage_options= argument"
+)
+CREDENTIAL_SETTINGS = (
+    "the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, or "
+    "AWS_PROFILE), --storage-option key=... --storage-option secret=... on the command "
+    "line, or storage_options {key, secret, token} in the config or the storage_options= "
+    "argument; check the endpoint too"
+)
+_checked: weakref.WeakSet[fsspec.AbstractFileSystem] = weakref.WeakSet()
+
+
+def _check_s3_access(fs: fsspec.AbstractFileSystem, root: str, uri: str) -> None:
+    """List one key under ``root`` through a client of ``fs``'s settings that makes one
+    attempt with short timeouts, once per filesystem instance: an unreachable endpoint or
+    refused credentials fail within seconds, not after botocore's retries with backoff
+    (data requests keep them).
+
+    Raises:
+        StorageUnreachableError / StorageAccessDeniedError: naming the settings to fix.
+    """
+    bucket, key, _ = fs.split_path(root)
+    if not bucket or fs in _checked:
+        return
+    probe = type(fs)(**_probe_options(dict(fs.storage_options)))
+    probe.retries = 1  # s3fs's own retry loop, around botocore's
+    try:
+        probe.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
+    except Exception as exc:  # anything else is left to the real request
+        error = _access_error(exc, uri, _endpoint_of(probe))
+        if error is not None:
+            raise error from exc
+        logger.debug("%s: first request failed: %s", uri, exc)
+    _checked.add(fs)
+
+
+def _probe_options(options: dict[str, Any]) -> dict[str, Any]:
+    config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
+    config_kwargs.update(
+        connect_timeout=PROBE_CONNECT_TIMEOUT_S,
+        read_timeout=PROBE_READ_TIMEOUT_S,
+        retries={"mode": "standard", "max_attempts": 1},
+    )
+    return {**options, "config_kwargs": config_kwargs, "skip_instance_cache": True}
+
+
+def _endpoint_of(fs: Any) -> str:
+    client = getattr(fs, "_s3", None)
+    url = getattr(getattr(client, "meta", None), "endpoint_url", None)
+    return redact_uri(str(url)) if url else "the default AWS endpoint"
+
+
+def _access_error(exc: BaseException, uri: str, endpoint: str) -> StorageError | None:
+    """The error to raise for a failed first request, or None when it is neither a
+    connection failure nor refused credentials."""
+    # installed with s3fs (the "s3" extra), which the caller's filesystem comes from
+    import botocore.exceptions as boto  # type: ignore[import-untyped]  # noqa: PLC0415
+
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    if isinstance(exc, boto.ConnectionError | boto.ConnectTimeoutError) or isinstance(
+        cause, boto.ConnectionError
+    ):
+        return StorageUnreachableError(
+            f"cannot reach the S3 endpoint {endpoint} for {uri}: {exc}. The endpoint comes "
+            f"from {ENDPOINT_SETTINGS}"
+        )
+    if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
+        return StorageAccessDeniedError(
+            f"no S3 credentials for {uri} (endpoint {endpoint}): {exc}. Set them in "
+            f"{CREDENTIAL_SETTINGS}"
+        )
+    code = _error_code(cause)
+    if code in AUTH_ERROR_CODES or (not code and isinstance(exc, PermissionError)):
+        return StorageAccessDeniedError(
+            f"the S3 endpoint {endpoint} refused the credentials for {uri} "
+            f"({code or type(exc).__name__}: {exc}). The credentials come from "
+            f"{CREDENTIAL_SETTINGS}"
+        )
+    return None
 
 
 async def _s3_send_once(fs: Any, method: str, **kwargs: Any) -> Any:
@@ -305,6 +406,8 @@ class CheckpointStorage:
         self._is_local = isinstance(fs, LocalFileSystem)
         self._is_s3 = any(p in S3_PROTOCOLS for p in protocols)
         self._is_gcs = any(p in GCS_PROTOCOLS for p in protocols)
+        if self._is_s3:
+            _check_s3_access(fs, self.root, self.uri)
 
     def _resolve(
         self, raw_uri: str, storage_options: dict[str, Any] | None
@@ -371,7 +474,7 @@ class CheckpointStorage:
                     f.write(view)
             else:
                 with self._slots:
-                    self.fs.pipe_file(path, view, mode="create")
+                    self.fs.pipe_file(path, view, mode="create", **self._create_options(view))
         except FileExistsError as exc:
             raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
         except Exception as exc:
@@ -379,6 +482,14 @@ class CheckpointStorage:
                 raise StorageError(f"failed to create {self.child_uri(relpath)}: {exc}") from exc
             if not self._is_our_object(relpath, view.nbytes, checksum):
                 raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
+
+    def _create_options(self, view: memoryview) -> dict[str, Any]:
+        """GCS: create-only writes go up as one simple (multipart/related) upload whatever
+        their size. gcsfs switches to a resumable upload from ``chunksize`` (50 MiB by
+        default) on, and a server may apply ``ifGenerationMatch=0`` to simple uploads
+        only (fake-gcs-server does): the claim and the manifest must never take that
+        path."""
+        return {"chunksize": view.nbytes + 1} if self._is_gcs else {}
 
     def _is_our_object(self, relpath: str, size: int, checksum: int) -> bool:
         """After a 412: did an earlier attempt of this very request (retried by botocore
@@ -392,6 +503,16 @@ class CheckpointStorage:
             logger.info("%s: a retried create found its own first attempt", self.child_uri(relpath))
         return ours
 
+    def with_expected(
+        self, expected: Mapping[str, WriteResult] | None, verify_checksums: bool = False
+    ) -> CheckpointStorage:
+        """This storage (same filesystem, same request slots) with its reads checked
+        against ``expected`` (a manifest's path -> size and CRC-32C)."""
+        bound = copy.copy(self)
+        bound.expected = dict(expected or {})
+        bound.verify_checksums = verify_checksums
+        return bound
+
     @property
     def process_local(self) -> bool:
         """True for a store only this process sees (fsspec's ``memory://``): ranks in
@@ -402,9 +523,11 @@ class CheckpointStorage:
     def enforces_exclusive_writes(self) -> bool | None:
         """Whether create-only writes are known to be enforced by this store.
 
-        True for local disks, ``memory://``, S3 (AWS, MinIO; moto) and Google Cloud
-        Storage itself; False for a GCS endpoint other than Google's (the GCS emulator
-        ignores ``ifGenerationMatch=0``); None (unknown) for other protocols.
+        True for local disks, ``memory://``, S3 (AWS, MinIO, SeaweedFS; moto) and Google
+        Cloud Storage itself. None (unknown) for a GCS endpoint other than Google's and
+        for other protocols: GCS emulators differ (fake-gcs-server enforces
+        ``ifGenerationMatch=0`` on simple uploads, gcp-storage-emulator ignores it), and
+        no name tells them apart.
         """
         if self._is_local or "memory" in _protocols(self.fs) or self._is_s3:
             return True
@@ -412,7 +535,7 @@ class CheckpointStorage:
             endpoint = str(getattr(self.fs, "_endpoint", None) or os.environ.get(
                 "STORAGE_EMULATOR_HOST", ""
             ))
-            return not endpoint or "googleapis.com" in endpoint
+            return True if not endpoint or "googleapis.com" in endpoint else None
         return None
 
     def write_many(self, items: Iterable[tuple[str, Buffer]]) -> builtins.list[WriteResult]:
@@ -824,35 +947,39 @@ class CheckpointStorage:
             raise StorageError(f"failed to stat {self.child_uri(relpath)}: {exc}") from exc
 
     def list(self, prefix: str = "") -> builtins.list[str]:
-        """All object paths below the root (or below ``prefix``), relative, sorted."""
-        base = self.full_path(prefix) if prefix else self.root
-        try:
-            found = self.fs.find(base, withdirs=False) if self.fs.exists(base) else []
-        except FileNotFoundError:
-            found = []
-        except Exception as exc:
-            raise StorageError(f"failed to list {self.uri}: {exc}") from exc
-        root = self.fs._strip_protocol(self.root).rstrip("/")
-        prefix_len = len(root) + 1 if root else 0
-        return sorted(self.fs._strip_protocol(p)[prefix_len:] for p in found)
+        """All object paths below the root (or below ``prefix``), relative, sorted.
+
+        Objects only, on every store: see :meth:`list_sizes`."""
+        return builtins.list(self.list_sizes(prefix))
 
     def list_children(self) -> builtins.list[str]:
-        """Names of the immediate sub-prefixes (directories) of the root, sorted."""
+        """Names of the immediate sub-prefixes (directories) of the root, sorted.
+
+        On a store that keeps empty "directories" (SeaweedFS) a prefix whose objects
+        were all deleted may still be listed here; it holds no object (:meth:`list`)."""
         try:
             entries = self.fs.ls(self.root, detail=True) if self.fs.exists(self.root) else []
         except FileNotFoundError:
             entries = []
         except Exception as exc:
             raise StorageError(f"failed to list {self.uri}: {exc}") from exc
-        return sorted(
-            posixpath.basename(self.fs._strip_protocol(e["name"]).rstrip("/"))
-            for e in entries
-            if e.get("type") == "directory"
-        )
+        root = self.fs._strip_protocol(self.root).rstrip("/")
+        names = set()
+        for entry in entries:
+            path = self.fs._strip_protocol(entry["name"]).rstrip("/")
+            if entry.get("type") == "directory" and path != root:
+                names.add(posixpath.basename(path))
+        return sorted(names)
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         """``{relative path: size}`` of every object below the root (or ``prefix``),
-        from the listing alone (no object is opened)."""
+        sorted, from one recursive listing (no object is opened).
+
+        Objects only, on every store: entries of type ``directory`` (s3fs lists the
+        prefix itself, and SeaweedFS keeps empty "directories" after their objects were
+        deleted), zero-size keys ending in ``/`` (directory markers some tools create)
+        and the root itself are left out.
+        """
         base = self.full_path(prefix) if prefix else self.root
         try:
             found = self.fs.find(base, withdirs=False, detail=True) if self.fs.exists(base) else {}
@@ -862,10 +989,13 @@ class CheckpointStorage:
             raise StorageError(f"failed to list {self.uri}: {exc}") from exc
         root = self.fs._strip_protocol(self.root).rstrip("/")
         prefix_len = len(root) + 1 if root else 0
-        return {
-            self.fs._strip_protocol(path)[prefix_len:]: int(info.get("size") or 0)
-            for path, info in sorted(found.items())
-        }
+        sizes: dict[str, int] = {}
+        for path, info in sorted(found.items()):
+            name = self.fs._strip_protocol(path)
+            if _is_directory_entry(name, info) or name.rstrip("/") == root:
+                continue
+            sizes[name[prefix_len:]] = int(info.get("size") or 0)
+        return sizes
 
     def checksum(self, relpath: str, size: int) -> WriteResult:
         """Size and CRC-32C of an object of ``size`` bytes, read in ``part_size`` ranges
@@ -945,6 +1075,15 @@ class CheckpointStorage:
             if error is not None and not isinstance(error, _Cancelled):
                 raise error
         return [f.result() for f in futures]
+
+
+def _is_directory_entry(name: str, info: Mapping[str, Any]) -> bool:
+    """A listing entry that is a "directory", not an object: typed so by the filesystem,
+    or a zero-size key ending in ``/`` (a directory marker object)."""
+    if info.get("type") == "directory":
+        return True
+    key = str(info.get("Key") or info.get("name") or name)
+    return (key.endswith("/") or name.endswith("/")) and not int(info.get("size") or 0)
 
 
 def _guarded(cancel: threading.Event, fn: Callable[..., R], *args: Any) -> R:
