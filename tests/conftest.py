@@ -1,4 +1,14 @@
-"""Shared fixtures: a persistent pool of gloo ranks for multi-process tests."""
+"""Shared fixtures: a persistent pool of gloo ranks for multi-process tests; markers.
+
+Markers set here from what a test uses, so that ``-m`` selects by the servers and
+processes a test needs:
+
+* ``s3`` / ``gcs``: the test runs against an S3 / GCS server (one of the object-store
+  cases of ``tests/fixtures_object_stores.py`` is among its parameters);
+* ``multirank``: it uses ``rank_pool`` (tests that launch ranks themselves carry the
+  marker in their module);
+* ``compat``: it needs a Megatron-Core environment (``mcore15`` / ``mcore19``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +21,8 @@ from cloudckpt.launch import RankPool
 pytest_plugins = ["tests.fixtures_object_stores"]
 
 WORLD_SIZE = 4
+MULTIRANK_FIXTURES = {"rank_pool"}
+COMPAT_FIXTURES = {"mcore15", "mcore19"}
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +33,21 @@ def rank_pool() -> Iterator[RankPool]:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # imported here: the plugin module is imported (and assert-rewritten) by pytest_plugins
+    from tests.fixtures_object_stores import GS_CASES, S3_CASES, store_cases_of  # noqa: PLC0415
+
+    for item in items:
+        cases = store_cases_of(item)
+        if cases & set(S3_CASES):
+            item.add_marker(pytest.mark.s3)
+        if cases & set(GS_CASES):
+            item.add_marker(pytest.mark.gcs)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & MULTIRANK_FIXTURES:
+            item.add_marker(pytest.mark.multirank)
+        if fixtures & COMPAT_FIXTURES:
+            item.add_marker(pytest.mark.compat)

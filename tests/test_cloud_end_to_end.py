@@ -31,7 +31,15 @@ from cloudckpt.launch import RankPool
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies.common import TorchCommonLoadStrategy
 from cloudckpt.strategies.zarr import ZarrLoadShardedStrategy
-from tests.fixtures_object_stores import GS_CASE, S3_CASE, GCSEndpoint, S3Endpoint, StoreLocation
+from tests.fixtures_object_stores import (
+    S3_CASES,
+    STORE_CASES,
+    GCSEndpoint,
+    S3Endpoint,
+    StoreLocation,
+    bucket_location,
+    server_for,
+)
 
 MiB = 2**20
 CHUNK_SIZE = 3 * MiB
@@ -183,12 +191,11 @@ def _e2e_scenario(rank: int, world: int, uri: str, options: dict[str, Any]) -> d
     return checks
 
 
-@pytest.fixture(params=[S3_CASE, GS_CASE])
+@pytest.fixture(params=STORE_CASES)
 def store(request: pytest.FixtureRequest) -> Iterator[tuple[str, StoreLocation]]:
-    """``(case, (checkpoint uri, storage_options))`` in a fresh S3 (moto) or GCS bucket."""
-    bucket_uri, options = request.getfixturevalue(
-        "s3_bucket" if request.param == S3_CASE else "gcs_bucket"
-    )
+    """``(case, (checkpoint uri, storage_options))`` in a fresh bucket of every S3 and
+    GCS server."""
+    bucket_uri, options = bucket_location(request, request.param)
     yield request.param, (f"{bucket_uri}/{CKPT_PATH}", options)
 
 
@@ -228,9 +235,11 @@ def test_four_ranks_save_to_object_store_and_load_resharded_bit_exact(
         "common_backend": "torch",
         "common_backend_version": 1,
     }
-    if case != S3_CASE:
+    if case not in S3_CASES:
         return
-    objects = _s3_objects(request.getfixturevalue("s3_server"), uri)
+    server = server_for(request, case)
+    assert isinstance(server, S3Endpoint)
+    objects = _s3_objects(server, uri)
     assert objects.keys() >= EXPECTED_OBJECTS
     for name in EXPECTED_TENSOR_OBJECTS["w_col"][1:]:  # 6 MiB shards as two 3 MiB chunks
         assert objects[f"w_col/{name}"]["Size"] == 3 * MiB

@@ -29,17 +29,16 @@ from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.zarr_format import tensor_bytes
 from tests import servers
 from tests._gcs_emulator_launcher import parse_multipart_related
-from tests.fixtures_object_stores import GS_CASE, S3_CASE, GCSEndpoint, S3Endpoint
+from tests.fixtures_object_stores import STORE_CASES, GCSEndpoint, S3Endpoint, bucket_location
 
 StoreLocation = tuple[str, dict[str, Any]]
 
 
-@pytest.fixture(params=[S3_CASE, GS_CASE])
+@pytest.fixture(params=STORE_CASES)
 def store(request: pytest.FixtureRequest) -> Iterator[StoreLocation]:
-    """``(uri, storage_options)`` of a checkpoint prefix in a fresh S3 or GCS bucket."""
-    bucket_uri, options = request.getfixturevalue(
-        "s3_bucket" if request.param == S3_CASE else "gcs_bucket"
-    )
+    """``(uri, storage_options)`` of a checkpoint prefix in a fresh bucket of every S3 and
+    GCS server."""
+    bucket_uri, options = bucket_location(request, request.param)
     yield f"{bucket_uri}/prefix/ckpt", options
 
 
@@ -59,7 +58,7 @@ def test_s3_bucket_fixture_makes_a_fresh_bucket(s3_server: S3Endpoint, s3_bucket
     client = s3_server.boto3_client()
     assert bucket in {b["Name"] for b in client.list_buckets()["Buckets"]}
     assert client.list_objects_v2(Bucket=bucket)["KeyCount"] == 0
-    if s3_server.kind == "moto":
+    if s3_server.kind != "external":
         assert s3_server.endpoint_url.startswith("http://127.0.0.1:")
 
 
@@ -183,27 +182,46 @@ def test_s3_api_rejects_a_second_create_with_if_none_match(s3_server, s3_bucket)
         client.put_object(Bucket=bucket, Key="manifest.json", Body=b"2", IfNoneMatch="*")
     assert info.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
     assert client.get_object(Bucket=bucket, Key="manifest.json")["Body"].read() == b"1"
+    assert s3_server.create_only  # the fixture's probe through cloudckpt agrees
 
 
-def test_gcs_emulator_does_not_enforce_if_generation_match_zero(
-    gcs_server: GCSEndpoint, gcs_bucket
-) -> None:
-    bucket = urllib.parse.quote(gcs_bucket[0].removeprefix("gs://"), safe="")
+def _create_only_upload_statuses(server: GCSEndpoint, bucket_uri: str) -> list[int]:
+    """HTTP statuses of two simple uploads of one object with ``ifGenerationMatch=0``, as
+    gcsfs sends them for small objects (``uploadType=multipart``)."""
+    bucket = urllib.parse.quote(bucket_uri.removeprefix("gs://"), safe="")
     url = (
-        f"{gcs_server.endpoint_url}/upload/storage/v1/b/{bucket}/o"
-        "?uploadType=media&name=manifest.json&ifGenerationMatch=0"
+        f"{server.endpoint_url}/upload/storage/v1/b/{bucket}/o"
+        "?uploadType=multipart&name=manifest.json&ifGenerationMatch=0"
     )
+    meta = json.dumps({"name": "manifest.json"})
+    head = (
+        f"--b\r\nContent-Type: application/json\r\n\r\n{meta}\r\n--b\r\n"
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
     statuses = []
-    for body in (b"1", b"2"):
-        request = urllib.request.Request(url, data=body, method="POST")
+    for content in (b"1", b"2"):
+        request = urllib.request.Request(
+            url,
+            data=head + content + b"\r\n--b--",
+            method="POST",
+            headers={"Content-Type": 'multipart/related; boundary="b"'},
+        )
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 statuses.append(response.status)
         except urllib.error.HTTPError as exc:
             statuses.append(exc.code)
-    # A known gap of the emulator (real GCS answers 412): the commit protocol must not
-    # claim create-once semantics on it. If this starts failing, the emulator improved.
-    assert statuses == [200, 200]
+    return statuses
+
+
+def test_gcs_servers_and_if_generation_match_zero(gcs_server: GCSEndpoint, gcs_bucket) -> None:
+    """What each GCS server does with a create-only upload, and that the fixture's probe
+    (through cloudckpt) found the same: fake-gcs-server refuses a second simple
+    (multipart) upload with 412, as real GCS does; gcp-storage-emulator ignores the
+    precondition (a known gap: the commit protocol must not rely on it there)."""
+    statuses = _create_only_upload_statuses(gcs_server, gcs_bucket[0])
+    assert statuses == ([200, 412] if gcs_server.create_only else [200, 200])
+    assert gcs_server.create_only is {"fakegcs": True, "emulator": False}[gcs_server.kind]
 
 
 # --- top-level save and load, resharded ----------------------------------------------------

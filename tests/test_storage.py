@@ -35,14 +35,14 @@ from cloudckpt.storage import (
     validate_relpath,
 )
 from cloudckpt.zarr_format import tensor_bytes
-from tests.fixtures_object_stores import GS_CASE, S3_CASE
+from tests.fixtures_object_stores import STORE_CASES, bucket_location
 
 StoreLocation = tuple[str, dict[str, Any]]
 
 # The checkpoint_uri cases plus "file-uri": the local directory spelled file:///...
-LOCATIONS = ["local", "file-uri", "memory", S3_CASE, GS_CASE]
+LOCATIONS = ["local", "file-uri", "memory", *STORE_CASES]
 LOCAL_KINDS = {"local", "file-uri"}
-OBJECT_STORE_KINDS = {S3_CASE, GS_CASE}
+OBJECT_STORE_KINDS = set(STORE_CASES)
 
 
 @pytest.fixture(params=LOCATIONS)
@@ -69,9 +69,7 @@ def location(
             fs.rm(prefix, recursive=True)
         assert not fs.exists(prefix)
     else:
-        bucket_uri, options = request.getfixturevalue(
-            "s3_bucket" if kind == S3_CASE else "gcs_bucket"
-        )
+        bucket_uri, options = bucket_location(request, kind)
         yield f"{bucket_uri}/run/ckpt", options
 
 

@@ -36,7 +36,7 @@ from cloudckpt.tracker import (
     list_checkpoints,
     remove_checkpoint,
 )
-from tests.fixtures_object_stores import S3_CASE, S3Endpoint, StoreLocation
+from tests.fixtures_object_stores import S3_CASES, S3Endpoint, StoreLocation, bucket_location
 from tests.test_checker import S3Calls, shared_client
 
 COMMIT_FILES = ("metadata.json", "manifest.json")
@@ -72,12 +72,12 @@ def _populate(parent: str, options: dict[str, Any]) -> StoreLocation:
     return parent, options
 
 
-@pytest.fixture(params=["local", S3_CASE])
+@pytest.fixture(params=["local", *S3_CASES])
 def run(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> StoreLocation:
     """A parent prefix holding the layout of the module docstring, locally and on S3."""
     if request.param == "local":
         return _populate(str(tmp_path / "run"), {})
-    bucket_uri, options = request.getfixturevalue("s3_bucket")
+    bucket_uri, options = bucket_location(request, request.param)
     return _populate(f"{bucket_uri}/run", options)
 
 
