@@ -317,6 +317,7 @@ def two_rank_results() -> list[dict[str, Any]]:
     return run_on_ranks(_two_rank_scenarios, 2, timeout_s=60)
 
 
+@pytest.mark.multirank
 def test_late_rank_holds_back_finalization_on_all_ranks(
     two_rank_results: list[dict[str, Any]],
 ) -> None:
@@ -331,6 +332,7 @@ def test_late_rank_holds_back_finalization_on_all_ranks(
     assert rank1["log"] == [("write", 1), ("finalize", 1)]
 
 
+@pytest.mark.multirank
 def test_failure_on_one_rank_raises_on_every_rank(
     two_rank_results: list[dict[str, Any]],
 ) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cloudckpt.demo.run import cli_command, next_step_lines
@@ -55,6 +56,7 @@ def _assert_all_match(proc: subprocess.CompletedProcess[str], world_size: int) -
     assert re.search(r"load: +[0-9.]+ s, [0-9.]+ MB/s", out), out
 
 
+@pytest.mark.multirank
 def test_demo_four_ranks_reshards_tp2_dp2_to_tp1_dp4(tmp_path: Path) -> None:
     proc = _demo(str(tmp_path / "ckpt"), "--world-size", "4")
     _assert_all_match(proc, 4)
@@ -152,12 +154,14 @@ def test_next_steps_name_the_run_directory_and_the_config() -> None:
     ]
 
 
+@pytest.mark.multirank
 def test_demo_two_ranks(tmp_path: Path) -> None:
     proc = _demo(str(tmp_path / "ckpt"), "--world-size", "2")
     _assert_all_match(proc, 2)
     assert "save layout:  TP=2 x DP=1; load layout: TP=1 x DP=2" in proc.stdout
 
 
+@pytest.mark.multirank
 def test_demo_refuses_existing_checkpoint_unless_overwrite(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     first = _demo(uri, "--world-size", "2")
@@ -185,6 +189,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+@pytest.mark.multirank
 def test_demo_on_s3_configured_by_the_environment(s3_server: S3Endpoint, s3_bucket) -> None:
     """`cloudckpt demo --uri s3://bucket/prefix`, 4 ranks, against the S3 API (moto, or
     the endpoint of CLOUDCKPT_TEST_S3_ENDPOINT): the endpoint and keys come only from
@@ -211,6 +216,7 @@ def test_demo_on_s3_configured_by_the_environment(s3_server: S3Endpoint, s3_buck
     assert s3_server.secret not in proc.stdout + proc.stderr
 
 
+@pytest.mark.multirank
 def test_demo_on_gcs_configured_by_a_yaml_file(
     gcs_server: GCSEndpoint, gcs_bucket, tmp_path: Path
 ) -> None:

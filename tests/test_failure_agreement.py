@@ -236,6 +236,7 @@ def _ready(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.multirank
 def test_rank_pool_timeout_reports_the_other_ranks_traceback():
     with RankPool(2, timeout_s=120) as pool:
         assert pool.run(_ready) == [0, 1]  # started: the timeout below is the function's
