@@ -145,11 +145,7 @@ def verify(
         )
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
     listing = storage.list_sizes()
-    state = CommitState(  # existence from the listing: no request per commit file
-        metadata=CONFIG_FNAME in listing,
-        manifest=MANIFEST_FNAME in listing,
-        claim=CLAIM_FNAME in listing,
-    )
+    state = CommitState.from_names(listing)  # from the listing: no request per commit file
     if state.absent:  # nothing, or other data: not a damaged checkpoint, none at all
         raise no_checkpoint_error(storage.uri, len(listing))
     uploads = storage.open_uploads()

@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cloudckpt.checker import ConsistencyReport
-from cloudckpt.commit import read_manifest, require_committed
+from cloudckpt.commit import CommittedCheckpoint, open_committed, read_manifest
 from cloudckpt.config import CheckpointConfig, redact_uri
-from cloudckpt.core import maybe_load_config
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.manifest import Manifest, TensorEntry
 from cloudckpt.storage import CheckpointStorage, open_checkpoint
@@ -210,35 +209,33 @@ def describe(
         UncommittedCheckpointError: the checkpoint is not committed.
     """
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
-    state = require_committed(storage)
-    manifest = read_manifest(storage) if state.manifest else None
-    if manifest is not None:
-        return Description.from_manifest(storage.uri, manifest)
-    return _describe_foreign(storage, uri, {"storage_options": storage_options, "config": config})
+    checkpoint = open_committed(storage)
+    if checkpoint.manifest is not None:
+        return Description.from_manifest(storage.uri, checkpoint.manifest)
+    return _describe_foreign(storage, uri, checkpoint)
 
 
-def _describe_foreign(storage: CheckpointStorage, uri: str, kwargs: dict[str, Any]) -> Description:
+def _describe_foreign(
+    storage: CheckpointStorage, uri: str, checkpoint: CommittedCheckpoint
+) -> Description:
     """Tensors from their metadata (no chunking known), common keys from the common
     state's top level, objects from the listing."""
     # only a foreign checkpoint needs torch: `inspect` of a cloudckpt one does not load it
+    from cloudckpt.load_session import LoadSession  # noqa: PLC0415
     from cloudckpt.mapping import ShardedTensor  # noqa: PLC0415
-    from cloudckpt.serialization import (  # noqa: PLC0415
-        load_common_state_dict,
-        load_tensors_metadata,
-    )
 
-    metadata = maybe_load_config(storage)
+    session = LoadSession.bind(uri, storage, checkpoint)
     sizes = storage.list_sizes()
     tensors = [
         TensorEntry(sh.key, tuple(sh.global_shape), str(sh.dtype).removeprefix("torch."))
-        for sh in load_tensors_metadata(uri, **kwargs).values()
+        for sh in session.tensors_metadata().values()
         if isinstance(sh, ShardedTensor)
     ]
-    common = load_common_state_dict(uri, **kwargs)
+    common = session.common_state()
     return Description(
         uri=storage.uri,
         foreign=True,
-        backends=asdict(metadata) if metadata is not None else {},
+        backends=asdict(checkpoint.backends),
         world_size=None,
         created="",
         objects=len(sizes),

@@ -22,12 +22,13 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from cloudckpt.errors import (
+    CheckpointingException,
     CheckpointNotFoundError,
     CommitConflictError,
     ObjectExistsError,
@@ -79,6 +80,34 @@ class CommitState:
         return absent
 
 
+    @classmethod
+    def from_names(cls, names: Iterable[str]) -> CommitState:
+        """The state that a listing of the checkpoint's objects shows (no request)."""
+        present = set(names)
+        return cls(CONFIG_FNAME in present, MANIFEST_FNAME in present, CLAIM_FNAME in present)
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    """A committed checkpoint's commit records, read once (see :func:`open_committed`).
+
+    Attributes:
+        uri: the checkpoint (redacted).
+        backends: what ``metadata.json`` records.
+        manifest: the manifest; None for a foreign checkpoint (Megatron-Core, PyTorch).
+    """
+
+    uri: str
+    backends: CheckpointingConfig
+    manifest: Manifest | None
+
+    def expected_objects(self) -> dict[str, WriteResult] | None:
+        """Path -> (size, CRC-32C) of every object the manifest lists (None: foreign)."""
+        if self.manifest is None:
+            return None
+        return {e.path: WriteResult(e.path, e.size, e.crc32c) for e in self.manifest.objects}
+
+
 def read_commit_state(storage: CheckpointStorage) -> CommitState:
     """Look up the commit objects (three small requests, no data read)."""
     return CommitState(
@@ -86,6 +115,39 @@ def read_commit_state(storage: CheckpointStorage) -> CommitState:
         manifest=storage.exists(MANIFEST_FNAME),
         claim=storage.exists(CLAIM_FNAME),
     )
+
+
+def open_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
+    """Read a committed checkpoint's ``metadata.json`` and ``manifest.json``, once.
+
+    Two reads for a cloudckpt checkpoint, three for a foreign one (the claim's absence
+    is what tells it from one whose manifest was lost).
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at the URI (no commit object there).
+        UncommittedCheckpointError: a claim or manifest without ``metadata.json``, or a
+            claim and ``metadata.json`` without the manifest; names what is missing.
+        CheckpointingException: ``metadata.json`` or ``manifest.json`` is malformed.
+    """
+    raw_config = _read_if_exists(storage, CONFIG_FNAME)
+    raw_manifest = _read_if_exists(storage, MANIFEST_FNAME)
+    state = CommitState(raw_config is not None, raw_manifest is not None, claim=True)
+    if raw_manifest is None:
+        state = dataclasses.replace(state, claim=storage.exists(CLAIM_FNAME))
+    if raw_config is None or not state.committed:
+        raise _not_committed_error(storage, state)
+    manifest = None
+    if raw_manifest is not None:
+        manifest = Manifest.from_json(raw_manifest, storage.child_uri(MANIFEST_FNAME))
+    backends = CheckpointingConfig.from_json(raw_config, storage.child_uri(CONFIG_FNAME))
+    return CommittedCheckpoint(storage.uri, backends, manifest)
+
+
+def _read_if_exists(storage: CheckpointStorage, relpath: str) -> bytes | None:
+    try:
+        return storage.read(relpath)
+    except CheckpointNotFoundError:
+        return None
 
 
 def no_checkpoint_error(uri: str, objects: int) -> CheckpointNotFoundError:
@@ -100,21 +162,13 @@ def no_checkpoint_error(uri: str, objects: int) -> CheckpointNotFoundError:
     )
 
 
-def require_committed(storage: CheckpointStorage) -> CommitState:
-    """The commit state of a checkpoint that must be committed.
-
-    Raises:
-        CheckpointNotFoundError: no checkpoint at the URI: none of the commit objects
-            exists (an empty or missing directory, or one holding other data).
-        UncommittedCheckpointError: a claim or manifest without ``metadata.json`` (a
-            save that failed or still runs), naming the missing commit objects.
-    """
-    state = read_commit_state(storage)
-    if state.committed:
-        return state
+def _not_committed_error(
+    storage: CheckpointStorage, state: CommitState
+) -> CheckpointNotFoundError | UncommittedCheckpointError:
+    """Why a checkpoint in ``state`` cannot be loaded: none there, or not committed."""
     if state.absent:
-        raise no_checkpoint_error(storage.uri, len(storage.list()))
-    raise UncommittedCheckpointError(
+        return no_checkpoint_error(storage.uri, len(storage.list()))
+    return UncommittedCheckpointError(
         f"checkpoint {storage.uri!r} is not committed: {' and '.join(state.missing())} "
         f"{'is' if len(state.missing()) == 1 else 'are'} missing (the save failed, is still "
         "running, or the file was deleted); `cloudckpt verify` shows what is there"
@@ -156,7 +210,54 @@ def amend_manifest(
     logger.info("amended %s: %d objects", storage.child_uri(MANIFEST_FNAME), len(objects))
 
 
+# -- removal: the protocol in reverse ------------------------------------------------------
+
+
+def uncommit(storage: CheckpointStorage, listing: Iterable[str]) -> list[str]:
+    """Delete ``metadata.json``, then ``manifest.json`` (those of ``listing`` present):
+    the checkpoint stops loading before any of its data goes. Returns what was deleted."""
+    present = set(listing)
+    deleted = [name for name in (CONFIG_FNAME, MANIFEST_FNAME) if name in present]
+    for name in deleted:
+        storage.delete(name)
+    return deleted
+
+
+def release_claim(storage: CheckpointStorage, listing: Iterable[str]) -> list[str]:
+    """Delete the claim, last of all: until then no other job can write this URI."""
+    if CLAIM_FNAME not in set(listing):
+        return []
+    storage.delete(CLAIM_FNAME)
+    return [CLAIM_FNAME]
+
+
 # -- writing -----------------------------------------------------------------------------
+
+
+def require_empty(storage: CheckpointStorage) -> None:
+    """Refuse a save into a location that holds anything (the coordinator checks).
+
+    Raises:
+        CommitConflictError: it holds a committed checkpoint, or another save's claim.
+        CheckpointingException: it holds other objects.
+    """
+    if storage.is_empty():
+        return
+    where = f"checkpoint destination {storage.uri!r} is not empty"
+    if read_commit_state(storage).committed:
+        raise CommitConflictError(
+            f"{where}: it holds a committed checkpoint; refusing to overwrite (choose a new "
+            "URI or remove it with `cloudckpt rm`)"
+        )
+    if storage.exists(CLAIM_FNAME):
+        raise CommitConflictError(
+            f"{where}: another save claimed it ({describe_claim(storage)}); it is still "
+            "running, or it failed and left an uncommitted checkpoint (`cloudckpt gc` "
+            "removes those)"
+        )
+    raise CheckpointingException(
+        f"{where}; refusing to overwrite (choose a new URI or remove what is there)"
+    )
 
 
 def claim(storage: CheckpointStorage) -> WriteResult | None:
@@ -293,14 +394,10 @@ def describe_claim(storage: CheckpointStorage) -> str:
         return "claim unreadable"
 
 
-_warned: set[str] = set()
-
-
 def _warn_if_not_exclusive(storage: CheckpointStorage) -> None:
     enforced = storage.enforces_exclusive_writes
-    if enforced or storage.uri in _warned:
+    if enforced:
         return
-    _warned.add(storage.uri)
     what = "ignores create-only writes" if enforced is False else "may not enforce create-only"
     logger.warning(
         "the store of %s %s (e.g. the GCS emulator and ifGenerationMatch=0): two jobs "

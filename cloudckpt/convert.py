@@ -22,19 +22,14 @@ from typing import Any
 import torch
 
 from cloudckpt import dist
-from cloudckpt.commit import claim, commit, require_committed
+from cloudckpt.commit import claim, commit
 from cloudckpt.config import CheckpointConfig, GiB, redact_uri
-from cloudckpt.core import CheckpointingConfig
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.load_session import LoadSession
 from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
 from cloudckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
-from cloudckpt.serialization import (
-    _destination_error,
-    _load_strategies,
-    _tensor_entries,
-    _with_storage,
-)
-from cloudckpt.storage import WriteResult, open_checkpoint
+from cloudckpt.session import SaveSession
+from cloudckpt.storage import WriteResult
 from cloudckpt.strategies.base import StrategyAction, get_default_strategy
 
 logger = logging.getLogger(__name__)
@@ -78,36 +73,33 @@ def convert(
             "training job, e.g. `cloudckpt convert SRC DST`"
         )
     started = time.perf_counter()
-    source = open_checkpoint(src_uri, storage_options=src_storage_options, config=config)
-    require_committed(source)
-    loader, common_loader = _load_strategies(source, None, None, src_storage_options, config)
-    target = open_checkpoint(dst_uri, storage_options=dst_storage_options, config=config)
-    error = _destination_error(target)
-    if error is not None:
-        raise error
-    saver, common_saver = (
-        _with_storage(get_default_strategy(action, *pair), dst_storage_options, config)
-        for action, pair in (
-            (StrategyAction.SAVE_SHARDED, (backend, 1)),
-            (StrategyAction.SAVE_COMMON, COMMON_BACKEND),
-        )
+    source = LoadSession.open(src_uri, storage_options=src_storage_options, config=config)
+    target = SaveSession.open(
+        dst_uri,
+        get_default_strategy(StrategyAction.SAVE_SHARDED, backend, 1),
+        get_default_strategy(StrategyAction.SAVE_COMMON, *COMMON_BACKEND),
+        storage_options=dst_storage_options,
+        config=config,
     )
-    results: list[WriteResult] = [r for r in [claim(target)] if r is not None]
-    objects = _source_objects(loader, common_loader, src_uri)
-    write = _BatchWrite(saver, dst_uri, objects, results)
-    entries = _copy_tensors(loader, saver, src_uri, write, max_batch_bytes, progress)
+    claimed = claim(target.storage)
+    results: list[WriteResult] = [r for r in [claimed] if r is not None]
+    objects = _source_objects(source)
+    write = _BatchWrite(target, objects, results)
+    entries = _copy_tensors(source, target, write, max_batch_bytes, progress)
     write.finish()
-    common = common_loader.load_common(src_uri)
-    results += common_saver.save_common(common, dst_uri) or []
-    if not saver.can_handle_sharded_objects:
-        results += common_saver.save_sharded_objects(objects, dst_uri) or []
-    backends = CheckpointingConfig(saver.backend, saver.version, *COMMON_BACKEND)
-    manifest = commit(target, results, backends, entries, common_key_paths(common))
+    common = source.common_state()
+    results += target.common.save_common_to(target.storage, common)
+    if not target.objects_with_tensors:
+        results += target.common.save_objects_to(target.storage, objects)
+    manifest = commit(
+        target.storage, results, target.backends, entries, common_key_paths(common),
+        claimed=claimed,
+    )
     assert manifest is not None  # world of one: this process is the coordinator
     logger.info(
         "converted %s -> %s (%s): %d tensors, %.1f MB in %.1f s",
-        source.uri,
-        target.uri,
+        source.storage.uri,
+        target.storage.uri,
         backend,
         len(entries),
         manifest.total_size / 1e6,
@@ -122,19 +114,20 @@ class _BatchWrite:
     :meth:`finish`)."""
 
     def __init__(
-        self, saver: Any, dst_uri: str, objects: ShardedStateDict, results: list[WriteResult]
+        self, target: SaveSession, objects: ShardedStateDict, results: list[WriteResult]
     ) -> None:
-        self.saver, self.dst_uri, self.results = saver, dst_uri, results
-        self.objects = objects if saver.can_handle_sharded_objects else {}
-        make = getattr(saver, "batch_writer", None)
-        self.dcp = make(dst_uri) if make is not None else None
+        self.target, self.results = target, results
+        self.objects = objects if target.objects_with_tensors else {}
+        make = getattr(target.sharded, "batch_writer", None)
+        self.dcp = make(target.storage, target.config) if make is not None else None
 
     def __call__(self, batch: ShardedStateDict) -> None:
         state, self.objects = {**batch, **self.objects}, {}
         if self.dcp is not None:
             self.results += self.dcp.add(state)
         else:
-            self.results += self.saver.save(state, self.dst_uri) or []
+            target = self.target
+            self.results += target.sharded.save_to(target.storage, state, target.config)
 
     def finish(self) -> None:
         if self.objects:  # no tensor batch took them: write them alone
@@ -144,18 +137,18 @@ class _BatchWrite:
 
 
 def _copy_tensors(
-    loader: Any,
-    saver: Any,
-    src_uri: str,
+    source: LoadSession,
+    target: SaveSession,
     write: Callable[[ShardedStateDict], None],
     max_batch_bytes: int,
     progress: Callable[[int], None] | None,
 ) -> list[TensorEntry]:
     entries: list[TensorEntry] = []
-    for batch in _batches(loader.load_tensors_metadata(src_uri), max_batch_bytes):
-        copied = _read_batch(loader, batch, src_uri)
+    for batch in _batches(source.tensors_metadata(), max_batch_bytes):
+        copied = _read_batch(source, batch)
         write(copied)
-        entries += _tensor_entries(saver, copied)
+        shards = [v for v in copied.values() if isinstance(v, ShardedTensor)]
+        entries += target.sharded.tensor_entries(shards, target.config)
         if progress is not None:
             progress(sum(_nbytes(sh) for sh in batch))
     return entries
@@ -178,7 +171,7 @@ def _batches(tensors: ShardedStateDict, limit: int) -> Iterator[list[ShardedTens
         yield batch
 
 
-def _read_batch(loader: Any, batch: list[ShardedTensor], src_uri: str) -> ShardedStateDict:
+def _read_batch(source: LoadSession, batch: list[ShardedTensor]) -> ShardedStateDict:
     """Read ``batch`` whole from the source, as whole-tensor ShardedTensors."""
     request = {
         sh.key: ShardedTensor.from_rank_offsets(
@@ -186,22 +179,17 @@ def _read_batch(loader: Any, batch: list[ShardedTensor], src_uri: str) -> Sharde
         )
         for sh in batch
     }
-    loaded = loader.load(request, src_uri)
+    loaded = source.read(request)
     return {key: ShardedTensor.from_rank_offsets(key, loaded[key]) for key in request}
 
 
-def _source_objects(loader: Any, common_loader: Any, src_uri: str) -> ShardedStateDict:
+def _source_objects(source: LoadSession) -> ShardedStateDict:
     """Every stored ShardedObject of the source, with its data."""
-    owner = loader if loader.can_handle_sharded_objects else common_loader
-    metadata = owner.load_sharded_metadata(src_uri)
+    metadata = source.sharded_metadata()
     wanted = {k: v for k, v in metadata.items() if isinstance(v, ShardedObject)}
     if not wanted:
         return {}
-    loaded = (
-        loader.load(wanted, src_uri)
-        if loader.can_handle_sharded_objects
-        else common_loader.load_sharded_objects(wanted, src_uri)
-    )
+    loaded = source.read(wanted)
     return {
         key: ShardedObject(obj.key, loaded[key], obj.global_shape, obj.global_offset)
         for key, obj in wanted.items()

@@ -13,10 +13,7 @@ from dataclasses import asdict, dataclass
 
 from cloudckpt.errors import (
     CheckpointingException,
-    CheckpointNotFoundError,
-    UncommittedCheckpointError,
 )
-from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME
 from cloudckpt.storage import CheckpointStorage, WriteResult
 
 logger = logging.getLogger(__name__)
@@ -67,26 +64,4 @@ def maybe_load_config(storage: CheckpointStorage) -> CheckpointingConfig | None:
         return None
     return CheckpointingConfig.from_json(
         storage.read(CONFIG_FNAME), storage.child_uri(CONFIG_FNAME)
-    )
-
-
-def load_config(storage: CheckpointStorage) -> CheckpointingConfig:
-    """The checkpoint's config.
-
-    Raises:
-        CheckpointNotFoundError: no checkpoint at the URI (no ``metadata.json``,
-            manifest or claim: nothing, or other data).
-        UncommittedCheckpointError: a manifest or claim exists but ``metadata.json`` does not.
-    """
-    config = maybe_load_config(storage)
-    if config is not None:
-        return config
-    if not storage.exists(MANIFEST_FNAME) and not storage.exists(CLAIM_FNAME):
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {storage.uri!r}: no {CONFIG_FNAME}, {MANIFEST_FNAME} or "
-            f"{CLAIM_FNAME} there"
-        )
-    raise UncommittedCheckpointError(
-        f"checkpoint {storage.uri!r} is not committed: {CONFIG_FNAME} is missing (the save "
-        "did not finish, or is still running)"
     )

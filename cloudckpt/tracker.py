@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from cloudckpt.commit import no_checkpoint_error, read_commit_state
+from cloudckpt.commit import no_checkpoint_error, read_commit_state, release_claim, uncommit
 from cloudckpt.config import CheckpointConfig, redact_uri
 from cloudckpt.core import CONFIG_FNAME
 from cloudckpt.errors import CheckpointNotFoundError
@@ -209,10 +209,8 @@ def _remove(storage: CheckpointStorage, raw_uri: str, progress: ProgressFn | Non
         raise no_checkpoint_error(storage.uri, len(listing))
     uploads = storage.open_uploads()
     counter = _Counter(progress)
-    for name in (CONFIG_FNAME, MANIFEST_FNAME):  # uncommit first
-        if name in listing:
-            storage.delete(name)
-            counter.add()
+    for _ in uncommit(storage, listing):  # metadata.json first: no longer loadable
+        counter.add()
     for upload in uploads:
         storage.abort_upload(upload)
     data = [path for path in listing if path not in COMMIT_FILES]
@@ -222,8 +220,7 @@ def _remove(storage: CheckpointStorage, raw_uri: str, progress: ProgressFn | Non
         counter.add()
 
     storage.map(delete, data)
-    if CLAIM_FNAME in listing:
-        storage.delete(CLAIM_FNAME)
+    for _ in release_claim(storage, listing):  # last: until now no other job may write here
         counter.add()
     _remove_empty_prefix(storage, raw_uri)
     logger.info(

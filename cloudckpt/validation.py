@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
-from cloudckpt.errors import ShardingValidationError
+from cloudckpt.errors import MissingKeysError, ShardingValidationError, UnexpectedKeysError
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,27 @@ def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
     except ValueError:
         valid = ", ".join(m.value for m in StrictHandling)
         raise ValueError(f"unknown strict handling {strict!r}; expected one of: {valid}") from None
+
+
+def report_mismatch(
+    where: str, strict: StrictHandling, missing: set[str], unexpected: set[str]
+) -> None:
+    """Raise or log missing / unexpected keys as ``strict`` asks; ``where`` names the
+    checkpoint and rank.
+
+    Raises:
+        MissingKeysError / UnexpectedKeysError: per ``strict``.
+    """
+    if strict in (StrictHandling.RAISE_ALL,) and missing:
+        raise MissingKeysError(f"{where}: requested keys not in the checkpoint: {sorted(missing)}")
+    if strict in (StrictHandling.RAISE_ALL, StrictHandling.RAISE_UNEXPECTED) and unexpected:
+        raise UnexpectedKeysError(
+            f"{where}: checkpoint keys requested by no rank: {sorted(unexpected)}"
+        )
+    if strict in (StrictHandling.LOG_ALL,) and missing:
+        logger.warning("%s: requested keys not in the checkpoint: %s", where, sorted(missing))
+    if strict in (StrictHandling.LOG_ALL, StrictHandling.LOG_UNEXPECTED) and unexpected:
+        logger.warning("%s: checkpoint keys requested by no rank: %s", where, sorted(unexpected))
 
 
 def group_by_key(global_shards: Sequence[Iterable[ShardedBase]]) -> dict[str, list[RankShard]]:

@@ -22,18 +22,15 @@ import os
 import re
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Mapping
 from enum import Enum
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Union
 
-from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import (
     CheckpointingException,
     IncompatibleCheckpointError,
     StrategyNotFoundError,
 )
-from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult, open_checkpoint
 from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 if TYPE_CHECKING:
@@ -396,43 +393,6 @@ def check_compatibility(
             f"checkpoint {uri} was written by backend {backend!r} version {version}, "
             f"which {type(strategy).__name__} cannot load: {exc}"
         ) from exc
-
-
-class StorageBackedMixin:
-    """For strategies doing I/O through :mod:`cloudckpt.storage`.
-
-    Holds an optional filesystem (``fs``), fsspec ``storage_options`` and a
-    :class:`~cloudckpt.config.CheckpointConfig` (part size, in-flight requests); without
-    a filesystem, each call resolves one from the checkpoint URI (fsspec caches the
-    instance, so repeated calls share one client).
-    """
-
-    fs: FileSystem | None = None
-    storage_options: dict[str, Any] | None = None
-    config: CheckpointConfig | None = None
-    # set by load from the checkpoint's manifest: reads are checked against it
-    expected_objects: Mapping[str, WriteResult] | None = None
-    verify_checksums: bool = False
-
-    def _set_storage(
-        self,
-        fs: FileSystem | None,
-        storage_options: dict[str, Any] | None,
-        config: CheckpointConfig | None = None,
-    ) -> None:
-        self.fs = fs
-        self.storage_options = storage_options
-        self.config = config
-
-    def _storage(self, checkpoint_dir: CheckpointDir) -> CheckpointStorage:
-        return open_checkpoint(
-            checkpoint_uri(checkpoint_dir),
-            self.fs,
-            self.storage_options,
-            config=self.config,
-            expected=self.expected_objects,
-            verify_checksums=self.verify_checksums,
-        )
 
 
 class SingleFormatLoadMixin:

@@ -32,10 +32,10 @@ from cloudckpt.strategies.base import (
     LoadCommonStrategy,
     SaveCommonStrategy,
     SingleFormatLoadMixin,
-    StorageBackedMixin,
     StrategyAction,
     register_default_strategy,
 )
+from cloudckpt.strategies.bound import CommonLoadMixin, CommonSaveMixin
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def load_dcp_common_state(storage: CheckpointStorage, weights_only: bool = False
     return checkpoint.read_objects(items[:1], weights_only)[items[0]]
 
 
-class TorchCommonSaveStrategy(StorageBackedMixin, SaveCommonStrategy):
+class TorchCommonSaveStrategy(CommonSaveMixin, SaveCommonStrategy):
     """Save common state and ShardedObjects with ``torch.save`` through the storage layer."""
 
     def __init__(
@@ -91,25 +91,23 @@ class TorchCommonSaveStrategy(StorageBackedMixin, SaveCommonStrategy):
         """This strategy saves ShardedObjects."""
         return True
 
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: str) -> list[WriteResult]:
+    def save_common_to(self, storage: CheckpointStorage, common: StateDict) -> list[WriteResult]:
         """Write ``common.pt`` (call on the coordinating rank only)."""
-        storage = self._storage(checkpoint_dir)
-        return [storage.write(COMMON_STATE_FNAME, _dumps(common_state_dict))]
+        return [storage.write(COMMON_STATE_FNAME, _dumps(common))]
 
-    def save_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str
+    def save_objects_to(
+        self, storage: CheckpointStorage, objects: ShardedStateDict
     ) -> list[WriteResult]:
         """Write this rank's main-replica ShardedObjects, one object each."""
-        storage = self._storage(checkpoint_dir)
         writes = [
             (f"{obj.unique_key}.pt", _dumps(obj.data))
-            for obj in nested_values(sharded_objects_state_dict)
+            for obj in nested_values(objects)
             if isinstance(obj, ShardedObject) and is_main_replica(obj.replica_id)
         ]
         return storage.write_many(writes)
 
 
-class TorchCommonLoadStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadCommonStrategy):
+class TorchCommonLoadStrategy(SingleFormatLoadMixin, CommonLoadMixin, LoadCommonStrategy):
     """Load ``common.pt`` and ShardedObjects.
 
     Args:
@@ -138,9 +136,8 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadCom
     def _loads(self, raw: bytes) -> Any:
         return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=self.weights_only)
 
-    def load_common(self, checkpoint_dir: str) -> StateDict:
+    def load_common_from(self, storage: CheckpointStorage) -> StateDict:
         """Read and unpickle ``common.pt``."""
-        storage = self._storage(checkpoint_dir)
         try:
             state = self._loads(storage.read(COMMON_STATE_FNAME))
             where = storage.child_uri(COMMON_STATE_FNAME)
@@ -155,27 +152,22 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadCom
             raise CheckpointingException(f"{where} holds a {type(state).__name__}, not a dict")
         return state
 
-    def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str
-    ) -> StateDict:
-        """Return the state dict with every ShardedObject replaced by its stored value."""
-        storage = self._storage(checkpoint_dir)
-        objects = [
-            o for o in nested_values(sharded_objects_state_dict) if isinstance(o, ShardedObject)
-        ]
+    def load_objects_from(self, storage: CheckpointStorage, objects: ShardedStateDict) -> StateDict:
+        """Return ``objects`` with every ShardedObject replaced by its stored value."""
+        requested = [o for o in nested_values(objects) if isinstance(o, ShardedObject)]
         try:
-            raws = storage.read_many([ReadRequest(f"{o.unique_key}.pt") for o in objects])
+            raws = storage.read_many([ReadRequest(f"{o.unique_key}.pt") for o in requested])
         except CheckpointNotFoundError as exc:
-            missing = self._missing_object_error(storage, objects)
+            missing = self._missing_object_error(storage, requested)
             if missing is None:  # listed, yet unreadable: not a key the checkpoint lacks
                 raise
             raise missing from exc
-        loaded = {id(o): self._loads(raw) for o, raw in zip(objects, raws, strict=True)}
+        loaded = {id(o): self._loads(raw) for o, raw in zip(requested, raws, strict=True)}
 
         def replace(value: Any) -> Any:
             return loaded[id(value)] if isinstance(value, ShardedObject) else value
 
-        return dict_list_map_outplace(replace, sharded_objects_state_dict)
+        return dict_list_map_outplace(replace, objects)
 
     def _missing_object_error(
         self, storage: CheckpointStorage, objects: list[ShardedObject]
@@ -196,9 +188,8 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadCom
             f"; stored shards of these keys: {stored or 'none'}",
         )
 
-    def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+    def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
         """``{unique_key: ShardedObject}`` (no data) for every stored ShardedObject."""
-        storage = self._storage(checkpoint_dir)
         out: ShardedStateDict = {}
         for path in storage.list():
             if _SHARD_FILE.search(path) and "/" in path:

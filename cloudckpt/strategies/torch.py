@@ -50,7 +50,7 @@ from cloudckpt.mapping import (
     StateDict,
     is_main_replica,
 )
-from cloudckpt.storage import FileSystem, WriteResult
+from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult
 from cloudckpt.strategies._dcp_reader import (
     ORIG_SHAPE_KEY,
     DcpCheckpoint,
@@ -65,10 +65,10 @@ from cloudckpt.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
     SingleFormatLoadMixin,
-    StorageBackedMixin,
     StrategyAction,
     register_default_strategy,
 )
+from cloudckpt.strategies.bound import ShardedLoadMixin, ShardedSaveMixin
 from cloudckpt.strategies.checkpointable import (
     CheckpointableShardedTensor,
     LocalShardsContainer,
@@ -127,7 +127,7 @@ def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
         state_dict_saver.save(state, storage_writer=writer, planner=planner)
 
 
-class TorchDistSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
+class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
     """Save ShardedTensors and ShardedObjects in the PyTorch DCP format.
 
     Args:
@@ -161,16 +161,20 @@ class TorchDistSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
         """ShardedObjects are stored as DCP bytes items."""
         return True
 
-    def _object_size(self) -> int:
-        if self.config is not None and self.config.chunk_size is not None:
-            return self.config.chunk_size
+    def _object_size(self, config: CheckpointConfig | None) -> int:
+        """The strategy's own config's chunk size, else the save's, else ``object_size``."""
+        config = self.config or config
+        if config is not None and config.chunk_size is not None:
+            return config.chunk_size
         return self.object_size
 
-    def _batch_bytes(self) -> int:
-        config = self.config or CheckpointConfig()
-        return max(self._object_size(), config.part_size * config.max_in_flight)
+    def _batch_bytes(self, config: CheckpointConfig | None) -> int:
+        effective = self.config or config or CheckpointConfig()
+        return max(self._object_size(config), effective.part_size * effective.max_in_flight)
 
-    def tensor_entries(self, tensors: Iterable[ShardedTensor]) -> list[TensorEntry]:
+    def tensor_entries(
+        self, tensors: Iterable[ShardedTensor], config: CheckpointConfig | None = None
+    ) -> list[TensorEntry]:
         """Manifest entries (global shape, dtype; no chunking) of ``tensors``."""
         entries = {
             sh.key: TensorEntry(
@@ -180,15 +184,21 @@ class TorchDistSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
         }
         return list(entries.values())
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> list[WriteResult]:
+    def save_to(
+        self,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None = None,
+    ) -> list[WriteResult]:
         """Write this rank's main replicas as DCP items. Collective.
 
         Returns:
             This rank's write results (on the coordinator, ``.metadata`` included).
         """
-        storage = self._storage(checkpoint_dir)
         state, extra = to_dcp_state_dict(sharded_state_dict)
-        writer = CloudStorageWriter(storage, self._object_size(), self._batch_bytes(), extra)
+        writer = CloudStorageWriter(
+            storage, self._object_size(config), self._batch_bytes(config), extra
+        )
         try:
             dcp_save(state, writer)
         except CheckpointingException:
@@ -199,9 +209,11 @@ class TorchDistSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
             ) from exc
         return writer.results
 
-    def batch_writer(self, checkpoint_dir: str) -> DcpBatchWriter:
+    def batch_writer(
+        self, storage: CheckpointStorage, config: CheckpointConfig | None = None
+    ) -> DcpBatchWriter:
         """A writer of this checkpoint in several DCP saves (see :class:`DcpBatchWriter`)."""
-        return DcpBatchWriter(self, checkpoint_dir)
+        return DcpBatchWriter(self, storage, config)
 
 
 class DcpBatchWriter:
@@ -209,9 +221,15 @@ class DcpBatchWriter:
     :func:`cloudckpt.convert.convert`: each :meth:`add` writes its ``.distcp`` objects,
     :meth:`finish` writes the one ``.metadata`` describing all of them."""
 
-    def __init__(self, strategy: TorchDistSaveShardedStrategy, checkpoint_dir: str) -> None:
+    def __init__(
+        self,
+        strategy: TorchDistSaveShardedStrategy,
+        storage: CheckpointStorage,
+        config: CheckpointConfig | None = None,
+    ) -> None:
         self.strategy = strategy
-        self.storage = strategy._storage(checkpoint_dir)
+        self.storage = storage
+        self.config = config
         self.parts: list[Metadata] = []
 
     def add(self, sharded_state_dict: ShardedStateDict) -> list[WriteResult]:
@@ -219,8 +237,8 @@ class DcpBatchWriter:
         state, extra = to_dcp_state_dict(sharded_state_dict)
         writer = CloudStorageWriter(
             self.storage,
-            self.strategy._object_size(),
-            self.strategy._batch_bytes(),
+            self.strategy._object_size(self.config),
+            self.strategy._batch_bytes(self.config),
             extra,
             part=f"{len(self.parts)}_",
             write_metadata=False,
@@ -238,7 +256,7 @@ class DcpBatchWriter:
         return self.storage.write(METADATA_FNAME, pickle.dumps(metadata))
 
 
-class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadShardedStrategy):
+class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, LoadShardedStrategy):
     """Load ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint, resharding.
 
     Reads checkpoints of cloudckpt, Megatron-Core's torch_dist backend and plain DCP.
@@ -260,17 +278,16 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, Lo
         """ShardedObjects are read from DCP bytes items."""
         return True
 
-    def _checkpoint(self, checkpoint_dir: str) -> DcpCheckpoint:
-        return DcpCheckpoint(self._storage(checkpoint_dir))
-
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> StateDict:
+    def load_from(
+        self, storage: CheckpointStorage, sharded_state_dict: ShardedStateDict
+    ) -> StateDict:
         """Return ``sharded_state_dict`` with every ShardedTensor and ShardedObject loaded."""
         values = list(nested_values(sharded_state_dict))
         tensors = [v for v in values if isinstance(v, ShardedTensor)]
         objects = [v for v in values if isinstance(v, ShardedObject)]
         if not tensors and not objects:
             return dict_list_map_outplace(lambda v: v, sharded_state_dict)
-        checkpoint = self._checkpoint(checkpoint_dir)
+        checkpoint = DcpCheckpoint(storage)
         loaded = checkpoint.load_tensors(tensors)
         loaded.update(checkpoint.load_objects(objects))
 
@@ -279,9 +296,11 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, Lo
 
         return dict_list_map_outplace(replace, sharded_state_dict)
 
-    def load_tensors_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+    def tensors_metadata_from(
+        self, storage: CheckpointStorage, checkpoint: DcpCheckpoint | None = None
+    ) -> ShardedStateDict:
         """``{key: ShardedTensor}`` (meta-device data, one shard) for every stored tensor."""
-        checkpoint = self._checkpoint(checkpoint_dir)
+        checkpoint = checkpoint or DcpCheckpoint(storage)
         out: ShardedStateDict = {}
         for key in checkpoint.tensor_keys():
             dtype = checkpoint.tensor_metadata(key).properties.dtype
@@ -291,10 +310,11 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, Lo
             )
         return out
 
-    def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
-        """Tensors (as :meth:`load_tensors_metadata`) and ShardedObjects (by unique key)."""
-        out = self.load_tensors_metadata(checkpoint_dir)
-        for key in self._checkpoint(checkpoint_dir).object_keys():
+    def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
+        """Tensors (as :meth:`tensors_metadata_from`) and ShardedObjects (by unique key)."""
+        checkpoint = DcpCheckpoint(storage)  # .metadata read once for both
+        out = self.tensors_metadata_from(storage, checkpoint)
+        for key in checkpoint.object_keys():
             if is_common_state_item(key):  # Megatron-Core 0.19's common state, not an object
                 continue
             try:
@@ -305,14 +325,14 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, Lo
             out[obj.unique_key] = obj
         return out
 
-    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+    def remove_tensors_from(self, storage: CheckpointStorage, key_prefix: str) -> None:
         """Drop every tensor whose key starts with ``key_prefix`` from ``.metadata``.
 
         The items stay in the ``.distcp`` objects (they share objects with other items)
         but are no longer reachable. The manifest, when there is one, is rewritten with
         the new ``.metadata``'s size and CRC-32C.
         """
-        checkpoint = self._checkpoint(checkpoint_dir)
+        checkpoint = DcpCheckpoint(storage)
         metadata = checkpoint.metadata
         removed = {k for k in checkpoint.tensor_keys() if k.startswith(key_prefix)}
         if not removed:

@@ -34,15 +34,15 @@ from cloudckpt.errors import (
 from cloudckpt.manifest import TensorEntry
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
-from cloudckpt.storage import FileSystem, WriteResult, open_checkpoint
+from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult, open_checkpoint
 from cloudckpt.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
     SingleFormatLoadMixin,
-    StorageBackedMixin,
     StrategyAction,
     register_default_strategy,
 )
+from cloudckpt.strategies.bound import ShardedLoadMixin, ShardedSaveMixin
 from cloudckpt.validation import chunk_index, chunk_shape
 from cloudckpt.zarr_format import (
     ZARRAY,
@@ -106,7 +106,7 @@ def _shard_writes(
     return writes
 
 
-class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
+class ZarrSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
     """Save ShardedTensors as zarr v2 arrays through the storage layer.
 
     Args:
@@ -136,45 +136,55 @@ class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
         self.chunk_size = chunk_size
         self._set_storage(fs, storage_options, config)
 
-    def _chunk_size(self) -> int | None:
-        return self.config.chunk_size if self.config is not None else self.chunk_size
+    def _chunk_size(self, config: CheckpointConfig | None) -> int | None:
+        """The strategy's own config, else the save's, else its ``chunk_size``."""
+        config = self.config or config
+        return config.chunk_size if config is not None else self.chunk_size
 
-    def tensor_entries(self, tensors: list[ShardedTensor]) -> list[TensorEntry]:
+    def tensor_entries(
+        self, tensors: list[ShardedTensor], config: CheckpointConfig | None = None
+    ) -> list[TensorEntry]:
         """Manifest entries (global shape, dtype, zarr chunk shape) of ``tensors``."""
         entries = {}
         for sh in tensors:
-            meta = _array_meta(sh, self._chunk_size())
+            meta = _array_meta(sh, self._chunk_size(config))
             dtype = str(sh.dtype).removeprefix("torch.")
             entries[sh.key] = TensorEntry(sh.key, tuple(sh.global_shape), dtype, meta.chunks)
         return list(entries.values())
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> list[WriteResult]:
+    def save_to(
+        self,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None = None,
+    ) -> list[WriteResult]:
         """Write this rank's main-replica chunks; collective when tensors are flattened.
 
         Returns:
             One WriteResult per object this rank wrote.
         """
-        storage = self._storage(checkpoint_dir)
         tensors = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
         flat = [t for t in tensors if t.flattened_range is not None]
+        chunk_size = self._chunk_size(config)
         writes = []
         if dist.all_reduce_int(int(bool(flat)), op="max"):  # collective: any rank with flat ones
-            writes = self._flat_writes(flat)
-        writes += self._regular_writes([t for t in tensors if t.flattened_range is None])
+            writes = self._flat_writes(flat, chunk_size)
+        regular = [t for t in tensors if t.flattened_range is None]
+        writes += self._regular_writes(regular, chunk_size)
         return storage.write_many(writes)
 
-    def _regular_writes(self, tensors: list[ShardedTensor]) -> list[Write]:
+    def _regular_writes(self, tensors: list[ShardedTensor], chunk_size: int | None) -> list[Write]:
         writes: list[Write] = []
         for sh in tensors:
             if not is_main_replica(sh.replica_id):
                 continue
             if sh.data is None:
                 raise CheckpointingException(f"tensor {sh.key!r} has no data to save")
-            meta, index = _array_meta(sh, self._chunk_size()), _require_index(sh)
+            meta, index = _array_meta(sh, chunk_size), _require_index(sh)
             writes += _shard_writes(sh, meta, index, tensor_bytes(_to_host(sh.data)))
         return writes
 
-    def _flat_writes(self, tensors: list[ShardedTensor]) -> list[Write]:
+    def _flat_writes(self, tensors: list[ShardedTensor], chunk_size: int | None) -> list[Write]:
         """Assemble flattened chunks on their planned ranks and return the writes."""
         gathered = dist.all_gather_object([t.without_data() for t in tensors])
         mine: dict[ChunkId, dict[int, ShardedTensor]] = defaultdict(dict)
@@ -189,7 +199,7 @@ class ZarrSaveShardedStrategy(StorageBackedMixin, SaveShardedStrategy):
         writes: list[Write] = []
         for plan, buffer in buffers:
             sample = next(iter(mine[(plan.key, plan.index)].values()))
-            meta = _array_meta(sample, self._chunk_size())
+            meta = _array_meta(sample, chunk_size)
             writes += _shard_writes(sample, meta, plan.index, tensor_bytes(buffer))
         return writes
 
@@ -241,7 +251,7 @@ def _exchange_plan(
     return buffers, sends, recvs
 
 
-class ZarrLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadShardedStrategy):
+class ZarrLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, LoadShardedStrategy):
     """Load ShardedTensors from zarr v2 arrays, resharding as needed.
 
     Reads checkpoints written by cloudckpt and by Megatron-Core's zarr backend
@@ -259,9 +269,11 @@ class ZarrLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadSha
         self.version = version
         self._set_storage(fs, storage_options)
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> StateDict:
+    def load_from(
+        self, storage: CheckpointStorage, sharded_state_dict: ShardedStateDict
+    ) -> StateDict:
         """Return ``sharded_state_dict`` with every ShardedTensor replaced by its data."""
-        reader = TensorReader(self._storage(checkpoint_dir))
+        reader = TensorReader(storage)
         tensors = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
         loaded = reader.load_all(tensors)
 
@@ -270,9 +282,8 @@ class ZarrLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadSha
 
         return dict_list_map_outplace(replace, sharded_state_dict)
 
-    def load_tensors_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+    def tensors_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
         """``{key: ShardedTensor}`` (meta-device data, one shard) for every stored array."""
-        storage = self._storage(checkpoint_dir)
         metas = TensorReader(storage).all_array_metas()
         return {
             key: ShardedTensor.from_rank_offsets(
@@ -281,9 +292,8 @@ class ZarrLoadShardedStrategy(SingleFormatLoadMixin, StorageBackedMixin, LoadSha
             for key, meta in metas.items()
         }
 
-    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+    def remove_tensors_from(self, storage: CheckpointStorage, key_prefix: str) -> None:
         """Delete every array whose key starts with ``key_prefix``."""
-        storage = self._storage(checkpoint_dir)
         removed = [key for key in TensorReader(storage).array_keys() if key.startswith(key_prefix)]
         for key in removed:
             logger.info("removing tensor %s from %s", key, storage.uri)

@@ -1,0 +1,242 @@
+"""Save and load sessions: one checkpoint opened once, its strategies bound once, the
+phases run in order.
+
+A :class:`SaveSession` resolves the save strategies, opens the storage and checks the
+destination; :meth:`SaveSession.save` then prepares the state dict, claims the URI,
+writes every rank's part and commits. A :class:`LoadSession` opens the storage, reads
+the commit records once (:func:`cloudckpt.commit.open_committed`), binds the strategies
+that ``metadata.json`` names, and checks every read against the manifest;
+:meth:`LoadSession.load` then validates the request, applies strict handling and reads.
+
+Each phase that can fail on one rank only ends in an agreement
+(:func:`cloudckpt.dist.agree`), so a failure reaches every rank before the next
+collective. :mod:`cloudckpt.serialization` keeps Megatron-Core's functions and
+delegates here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from cloudckpt import dist
+from cloudckpt.commit import claim, commit, require_empty
+from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.core import CheckpointingConfig
+from cloudckpt.dict_utils import (
+    extract_matching_values,
+    nested_values,
+)
+from cloudckpt.errors import (
+    CheckpointingException,
+)
+from cloudckpt.manifest import Manifest, common_key_paths
+from cloudckpt.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    apply_factories,
+)
+from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint, validate_relpath
+from cloudckpt.strategies.base import (
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+)
+from cloudckpt.strategies.bound import (
+    CommonSaver,
+    ShardedSaver,
+    bind_common_saver,
+    bind_sharded_saver,
+)
+from cloudckpt.validation import (
+    validate_sharding_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR = 0
+
+StateParts = tuple[ShardedStateDict, ShardedStateDict, StateDict, ShardedStateDict]
+"""(sharded objects, sharded tensors, common state, objects and tensors)."""
+
+
+def open_storage(
+    uri: str,
+    strategy: Any,
+    storage_options: dict[str, Any] | None,
+    config: CheckpointConfig | None,
+) -> CheckpointStorage:
+    """The checkpoint's storage, from the call's options and config, else the
+    strategy's own (``fs``, ``storage_options``, ``config``); refuses a store the other
+    ranks cannot see."""
+    storage = open_checkpoint(
+        uri,
+        getattr(strategy, "fs", None),
+        storage_options or getattr(strategy, "storage_options", None),
+        config=config or getattr(strategy, "config", None),
+    )
+    world = dist.get_world_size()
+    if storage.process_local and world > 1:
+        raise CheckpointingException(
+            f"checkpoint {storage.uri!r} is in this process's memory (memory://), which "
+            f"the other {world - 1} rank(s) cannot see: use a local directory or an object "
+            f"store URI with {world} ranks (rank {dist.get_rank()})"
+        )
+    return storage
+
+
+def local_metadata(sharded: ShardedStateDict, uri: str) -> list[ShardedBase]:
+    """This rank's shards without data, keys checked as object paths."""
+    metadata = []
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedBase):
+            validate_relpath(value.key, uri)
+            metadata.append(value.without_data())
+    return metadata
+
+
+@contextlib.contextmanager
+def logged_failure(verb: str, shown: str) -> Iterator[None]:
+    """Log this rank's own failure (an agreement then raises it on every rank)."""
+    try:
+        yield
+    except Exception as exc:
+        logger.error("rank %d failed to %s %s: %s", dist.get_rank(), verb, shown, exc)
+        raise
+
+
+def log_rate(verb: str, uri: str, nbytes: int, count: int, started: float) -> None:
+    """Log one rank's throughput of a save or load at INFO."""
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    logger.info(
+        "rank %d %s %s: %d objects, %.1f MB in %.2f s (%.1f MB/s)",
+        dist.get_rank(),
+        verb,
+        uri,
+        count,
+        nbytes / 1e6,
+        elapsed,
+        nbytes / 1e6 / elapsed,
+    )
+
+
+# -- save ----------------------------------------------------------------------------------
+
+
+def split_state_dict(sharded_state_dict: ShardedStateDict) -> StateParts:
+    """Split a state dict (factories applied) into its parts; nonpersistent values dropped."""
+    _, persistent = extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+    )
+    sharded, common = extract_matching_values(persistent, lambda v: isinstance(v, ShardedBase))
+    objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
+    return objects, tensors, common, sharded
+
+
+@dataclass(frozen=True)
+class SaveSession:
+    """A save into one checkpoint URI (collective: every rank opens one).
+
+    Attributes:
+        uri: the checkpoint URI as given (for strategies that do their own I/O).
+        storage: the storage every write of this save goes through.
+        sharded / common: the bound strategies.
+        backends: what ``metadata.json`` will record.
+        objects_with_tensors: the sharded strategy writes ShardedObjects too.
+        config: the save's config (chunk sizes), if any.
+    """
+
+    uri: str
+    storage: CheckpointStorage
+    sharded: ShardedSaver
+    common: CommonSaver
+    backends: CheckpointingConfig
+    objects_with_tensors: bool
+    config: CheckpointConfig | None
+
+    @classmethod
+    def open(
+        cls,
+        uri: str,
+        sharded_strategy: SaveShardedStrategy,
+        common_strategy: SaveCommonStrategy,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        config: CheckpointConfig | None = None,
+    ) -> SaveSession:
+        """Open ``uri`` for a save; the coordinator checks that nothing is there.
+        Collective: a failure on any rank is raised on every rank."""
+        with dist.agree(f"opening checkpoint {redact_uri(uri)!r}"):
+            storage = open_storage(uri, sharded_strategy, storage_options, config)
+            if dist.get_rank() == COORDINATOR:
+                require_empty(storage)
+        backends = CheckpointingConfig(
+            sharded_strategy.backend,
+            sharded_strategy.version,
+            common_strategy.backend,
+            common_strategy.version,
+        )
+        return cls(
+            uri,
+            storage,
+            bind_sharded_saver(sharded_strategy, uri),
+            bind_common_saver(common_strategy, uri),
+            backends,
+            sharded_strategy.can_handle_sharded_objects,
+            config,
+        )
+
+    def save(self, sharded_state_dict: ShardedStateDict, validate: bool = True) -> Manifest | None:
+        """Prepare, validate, claim, write and commit. Collective. Returns the manifest
+        on the coordinator."""
+        started = time.perf_counter()
+        shown = self.storage.uri
+        parts = self._prepare(sharded_state_dict, validate)
+        claimed = claim(self.storage)
+        results: list[WriteResult] = [claimed] if claimed is not None else []
+        with dist.agree(f"saving checkpoint {shown!r}"), logged_failure("save", shown):
+            results += self._write(parts)
+        _, tensors, common, _ = parts
+        shards = [v for v in nested_values(tensors) if isinstance(v, ShardedTensor)]
+        manifest = commit(
+            self.storage,
+            results,
+            self.backends,
+            self.sharded.tensor_entries(shards, self.config),
+            common_key_paths(common) if dist.get_rank() == COORDINATOR else [],
+            claimed=claimed,
+        )
+        log_rate("saved", shown, sum(r.size for r in results), len(results), started)
+        return manifest
+
+    def _prepare(self, sharded_state_dict: ShardedStateDict, validate: bool) -> StateParts:
+        """Apply factories, split, check keys and (collectively) the sharding."""
+        shown = self.storage.uri
+        with dist.agree(f"preparing checkpoint {shown!r}"):
+            apply_factories(sharded_state_dict)
+            parts = split_state_dict(sharded_state_dict)
+            local = local_metadata(parts[0], shown) + local_metadata(parts[1], shown)
+        if validate:
+            validate_sharding_integrity(dist.all_gather_object(local), shown)
+        return parts
+
+    def _write(self, parts: StateParts) -> list[WriteResult]:
+        """This rank's objects: tensors (and objects, when the sharded strategy handles
+        them), the common state on the coordinator, else objects by the common strategy."""
+        objects, tensors, common, sharded = parts
+        with_objects = self.objects_with_tensors
+        results = self.sharded.save_to(
+            self.storage, sharded if with_objects else tensors, self.config
+        )
+        if dist.get_rank() == COORDINATOR:
+            results += self.common.save_common_to(self.storage, common)
+        if not with_objects:
+            results += self.common.save_objects_to(self.storage, objects)
+        return results
