@@ -229,9 +229,8 @@ def _unwrap_section(section: object) -> Mapping[Any, Any]:
         raise ConfigError(
             f"a {_SECTION} config section must be a mapping, got {type(section).__name__}"
         )
-    if len(section) == 1 and isinstance(section.get(_SECTION), Mapping):
-        return section[_SECTION]
-    return section
+    inner = section.get(_SECTION) if len(section) == 1 else None
+    return inner if isinstance(inner, Mapping) else section
 
 
 def from_dict(section: Mapping[str, Any]) -> CheckpointConfig:

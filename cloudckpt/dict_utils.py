@@ -228,6 +228,14 @@ def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
     return f(x)
 
 
+@overload
+def dict_list_map_outplace(f: Callable[[Any], Any], x: dict[str, Any]) -> dict[str, Any]: ...
+
+
+@overload
+def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any: ...
+
+
 def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
     """Map every leaf of nested dicts and lists through ``f`` into new containers.
 

@@ -123,7 +123,7 @@ class Trainer:
             for s in self.specs
         }
         loss = forward_loss(full, self.batch(self.step_count), self.config)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         for spec in self.specs:
             grad = full[spec.key].grad
             assert grad is not None
