@@ -146,6 +146,26 @@ def _add_demo(subparsers: Subparsers) -> None:
     add("--steps", type=int, default=10, help="training steps before the save (default 10)")
     add("--seed", type=int, default=1234, help="seed of the weights and data (default 1234)")
     add("--overwrite", action="store_true", help="replace what is stored at the URI")
+    add(
+        "--resume",
+        action="store_true",
+        help="treat the URI as a run: continue from its latest committed checkpoint "
+        "(cloudckpt.latest; none: start at 0) up to --steps, saving <run>/iter_%%07d; "
+        "what a restarted training job does (deploy/k8s)",
+    )
+    add(
+        "--save-interval",
+        type=int,
+        metavar="N",
+        help="with --resume, also save every N steps (default: only after the last)",
+    )
+    add(
+        "--kill-after",
+        type=int,
+        metavar="ITER",
+        help="with --resume, SIGKILL the last rank right after iteration ITER's checkpoint "
+        "is saved (fault injection: run again with --resume to see it resume)",
+    )
     parser.set_defaults(handler=_cmd_demo)
 
 
@@ -159,6 +179,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         next_step_lines,
         prepare_destination,
         run_demo,
+        run_demo_in_process_group,
         validate_options,
     )
 
@@ -170,24 +191,40 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"cloudckpt demo: error: cannot read --config: {exc}", file=sys.stderr)
         return 2
     uri: str = args.uri or (checkpoint and checkpoint.uri) or _default_uri(args.steps)
+    if args.resume and not (args.uri or (checkpoint and checkpoint.uri)):
+        uri = uri.rsplit("/", 1)[0]  # a fresh run directory, not its iter_ child
+    # under torchrun (deploy/k8s) this process is one rank of its group
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
     options = DemoOptions(
         uri=uri,
-        world_size=args.world_size,
+        world_size=world_size,
         tp=tp,
         load_tp=load_tp,
         steps=args.steps,
         seed=args.seed,
         checkpoint=checkpoint,
+        resume=args.resume,
+        save_interval=args.save_interval,
+        kill_after=args.kill_after,
     )
     try:
         validate_options(options)
     except ValueError as exc:
         print(f"cloudckpt demo: error: {exc}", file=sys.stderr)
         return 2
-    prepare_destination(uri, args.overwrite, checkpoint)
-    result = run_demo(options)
-    next_steps = next_step_lines(uri, config=args.config)
-    print("\n".join(result.summary_lines(uri) + next_steps))
+    if torchrun:
+        ran = run_demo_in_process_group(options)
+        if ran is None:
+            return 0  # rank 0 reports
+        result = ran
+    else:
+        if not args.resume:
+            prepare_destination(uri, args.overwrite, checkpoint)
+        result = run_demo(options)
+    saved = result.checkpoint_uri or uri
+    next_steps = next_step_lines(saved, config=args.config)
+    print("\n".join(result.summary_lines(saved) + next_steps))
     return 0
 
 

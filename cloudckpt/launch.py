@@ -29,6 +29,7 @@ from cloudckpt.errors import DistributedCheckpointError
 logger = logging.getLogger(__name__)
 
 _STOP = "__stop__"
+_AFTER_DEAD_RANK_S = 10.0  # how long the others may still report after a rank died
 
 
 def _init_group(rank: int, world_size: int, store_file: str) -> None:
@@ -86,6 +87,7 @@ class RankPool:
             )
             for r in range(world_size)
         ]
+        self._broken = False
         for p in self._procs:
             p.start()
 
@@ -114,20 +116,45 @@ class RankPool:
         """Outcomes received by rank, and the ranks that sent none within ``timeout_s``."""
         outcomes: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + self.timeout_s
+        dead_since: dict[int, float] = {}
         while len(outcomes) < self.world_size:
+            left = deadline - time.monotonic()
             try:
-                rank, ok, payload = self._results.get(timeout=max(deadline - time.monotonic(), 0))
+                rank, ok, payload = self._results.get(timeout=max(min(left, 1.0), 0))
             except queue.Empty:
-                return outcomes, sorted(set(range(self.world_size)) - set(outcomes))
+                if left <= 0:
+                    return outcomes, sorted(set(range(self.world_size)) - set(outcomes))
+                if self._note_dead_ranks(outcomes, dead_since):
+                    # the group is broken: the others' collectives cannot complete
+                    deadline = min(deadline, time.monotonic() + _AFTER_DEAD_RANK_S)
+                continue
             outcomes[rank] = (ok, payload)
         return outcomes, []
+
+    def _note_dead_ranks(
+        self, outcomes: dict[int, tuple[bool, Any]], dead_since: dict[int, float]
+    ) -> bool:
+        """A rank process that exited without reporting (killed, crashed) fails at once
+        instead of after ``timeout_s``: a second later (its last report may be in flight).
+        Returns whether one did; the pool is then unusable (``close`` kills the rest)."""
+        now = time.monotonic()
+        found = False
+        for rank, proc in enumerate(self._procs):
+            if rank in outcomes or proc.exitcode is None:
+                continue
+            if now - dead_since.setdefault(rank, now) >= 1.0:
+                code = proc.exitcode
+                how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+                outcomes[rank] = (False, f"rank process {proc.pid} died ({how})")
+                self._broken = found = True
+        return found
 
     def close(self) -> None:
         """Stop the ranks (forcefully if they do not stop within a few seconds)."""
         for q in self._tasks:
             q.put(_STOP)
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=0 if self._broken else 10)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -15,6 +15,7 @@ Rank 0 returns a :class:`DemoResult`; mismatches raise :class:`DemoVerificationE
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -24,13 +25,14 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 
 from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.demo import resume
 from cloudckpt.demo.model import (
     GPTConfig,
     Layout,
@@ -81,6 +83,12 @@ class DemoOptions:
         config: model sizes.
         checkpoint: storage options, part size, in-flight requests and chunk size
             (from ``--config``); None uses the defaults and the environment.
+        resume: ``uri`` is a run URI: resume from its latest committed checkpoint (if
+            any), train up to ``steps`` and save under it as ``iter_%07d``
+            (:mod:`cloudckpt.demo.resume`).
+        save_interval: with ``resume``, also save every this many steps.
+        kill_after: with ``resume``, SIGKILL the last rank right after saving this
+            iteration (fault injection, to try ``resume``).
     """
 
     uri: str
@@ -94,6 +102,9 @@ class DemoOptions:
     lr: float = 1e-3
     config: GPTConfig = field(default_factory=GPTConfig)
     checkpoint: CheckpointConfig | None = None
+    resume: bool = False
+    save_interval: int | None = None
+    kill_after: int | None = None
 
     def layouts(self, rank: int) -> tuple[Layout, Layout]:
         """The (save, load) layouts of ``rank``."""
@@ -123,6 +134,11 @@ class DemoResult:
         first_loss: DP-mean loss of the first step.
         last_loss: DP-mean loss of the last step.
         mismatches: differences found after the reload (empty when all match).
+        checkpoint_uri: the checkpoint saved last and reloaded (with ``resume``:
+            ``<run>/iter_%07d``; else the demo's URI).
+        resumed_from: with ``resume``, the checkpoint the run resumed from, or "" when
+            the run had none; None without ``resume``.
+        start_iteration: the iteration training started from.
     """
 
     world_size: int
@@ -138,6 +154,9 @@ class DemoResult:
     first_loss: float
     last_loss: float
     mismatches: tuple[str, ...] = ()
+    checkpoint_uri: str = ""
+    resumed_from: str | None = None
+    start_iteration: int = 0
 
     def summary_lines(self, uri: str) -> list[str]:
         """Human-readable summary, one line each."""
@@ -147,6 +166,7 @@ class DemoResult:
             f"checkpoint:   {redact_uri(uri)}",
             f"world size:   {_plural(self.world_size, 'rank')} (gloo, CPU)",
             f"save layout:  {self.save_layout}; load layout: {self.load_layout}",
+            *self._resume_lines(),
             f"training:     loss {self.first_loss:.4f} -> {self.last_loss:.4f}",
             f"tensors:      {self.num_tensors} per rank (each rank's state dict holds its shard "
             "of every model and Adam tensor)",
@@ -166,6 +186,15 @@ class DemoResult:
                 f"(bit for bit{resharded})"
             )
         return lines
+
+    def _resume_lines(self) -> list[str]:
+        if self.resumed_from is None:
+            return []
+        if not self.resumed_from:
+            return ["resumed:      no committed checkpoint in the run yet: started at 0"]
+        return [
+            f"resumed:      from {redact_uri(self.resumed_from)} (iteration {self.start_iteration})"
+        ]
 
 
 def _plural(count: int, noun: str) -> str:
@@ -239,6 +268,10 @@ def validate_options(options: DemoOptions) -> None:
         raise ValueError(f"world size must be between 1 and 8, got {options.world_size}")
     if options.seq_len > cfg.max_seq_len or options.steps < 1:
         raise ValueError("need steps >= 1 and seq_len <= max_seq_len")
+    if options.save_interval is not None and options.save_interval < 1:
+        raise ValueError(f"save interval must be >= 1, got {options.save_interval}")
+    if not options.resume and (options.save_interval or options.kill_after is not None):
+        raise ValueError("--save-interval and --kill-after need --resume")
 
 
 def default_tp_sizes(world_size: int, tp: int | None = None) -> tuple[int, int]:
@@ -306,11 +339,19 @@ def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult |
     trainer = Trainer(
         options.config, save_layout, options.seed, options.lr, options.batch_size, options.seq_len
     )
-    losses = [trainer.step() for _ in range(options.steps)]
-    ref_params, ref_states = trainer.reference()
+    resumed_from: str | None = None
+    if options.resume:
+        resumed_from, start = resume.restore(trainer, options)
+        losses, save_s, options = _train_resumable(trainer, options, rank, start)
+    else:
+        start = 0
+        losses = [trainer.step() for _ in range(options.steps)]
+        rng_obj = {"rank": rank, "torch_rng": torch.get_rng_state(), "samples": options.steps}
+        state = _save_state_dict(trainer, options, rng_obj)
+        save_s = _timed(lambda: save(state, options.uri, config=options.checkpoint))
+    # from here on, options.uri is the checkpoint saved last and options.steps its iteration
     rng_obj = {"rank": rank, "torch_rng": torch.get_rng_state(), "samples": options.steps}
-    state = _save_state_dict(trainer, options, rng_obj)
-    save_s = _timed(lambda: save(state, options.uri, config=options.checkpoint))
+    ref_params, ref_states = trainer.reference()
     stored = _manifest(options) if rank == 0 else None
     request = _load_state_dict(trainer.specs, load_layout, options)
     loaded: dict[str, Any] = {}
@@ -331,10 +372,59 @@ def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult |
         stored_bytes=stored.total_size if stored else 0,
         save_s=save_s,
         load_s=load_s,
-        first_loss=losses[0],
-        last_loss=losses[-1],
+        first_loss=losses[0] if losses else math.nan,
+        last_loss=losses[-1] if losses else math.nan,
         mismatches=tuple(all_mismatches),
+        checkpoint_uri=options.uri,
+        resumed_from=None if not options.resume else resumed_from or "",
+        start_iteration=start,
     )
+
+
+def _train_resumable(
+    trainer: Trainer, options: DemoOptions, rank: int, start: int
+) -> tuple[list[float], float, DemoOptions]:
+    """Train from ``start`` to ``options.steps``, saving ``<run>/iter_%07d`` along the way.
+
+    Returns:
+        The losses, the time of the last save, and ``options`` with ``uri`` and ``steps``
+        set to the checkpoint saved last (the one resumed from when nothing was left to
+        train) for the reload check.
+    """
+    saves = resume.save_iterations(start, options.steps, options.save_interval)
+    losses: list[float] = []
+    save_s, last = 0.0, start
+    for iteration in saves:
+        losses += [trainer.step() for _ in range(iteration - trainer.step_count)]
+        rng_obj = {"rank": rank, "torch_rng": torch.get_rng_state(), "samples": iteration}
+        at = replace(options, uri=resume.checkpoint_uri(options.uri, iteration), steps=iteration)
+        state = _save_state_dict(trainer, at, rng_obj)
+        save_s = _timed(functools.partial(save, state, at.uri, config=at.checkpoint))
+        resume.maybe_kill(options, rank, iteration)
+        last = iteration
+    final = resume.checkpoint_uri(options.uri, last)
+    return losses, save_s, replace(options, uri=final, steps=last)
+
+
+def run_demo_in_process_group(options: DemoOptions) -> DemoResult | None:
+    """Run the demo on this process as one rank of a group launched by torchrun (the
+    environment's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 returns the result.
+
+    Raises:
+        DemoVerificationError: the reloaded state differs.
+    """
+    validate_options(options)
+    torch_dist.init_process_group("gloo")
+    try:
+        result = _rank_main(torch_dist.get_rank(), torch_dist.get_world_size(), options)
+    finally:
+        torch_dist.destroy_process_group()
+    if result is not None and result.mismatches:
+        raise DemoVerificationError(
+            f"{len(result.mismatches)} differences after reloading {result.checkpoint_uri}",
+            result.mismatches,
+        )
+    return result
 
 
 def _manifest(options: DemoOptions) -> Manifest:
