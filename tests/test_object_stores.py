@@ -26,7 +26,7 @@ import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.errors import CheckpointNotFoundError
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
-from cloudckpt.zarr_format import tensor_bytes
+from cloudckpt.strategies._zarr_format import tensor_bytes
 from tests import servers
 from tests._gcs_emulator_launcher import parse_multipart_related
 from tests.fixtures_object_stores import STORE_CASES, GCSEndpoint, S3Endpoint, bucket_location

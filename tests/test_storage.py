@@ -34,7 +34,7 @@ from cloudckpt.storage import (
     open_checkpoint,
     validate_relpath,
 )
-from cloudckpt.zarr_format import tensor_bytes
+from cloudckpt.strategies._zarr_format import tensor_bytes
 from tests.fixtures_object_stores import STORE_CASES, bucket_location
 
 StoreLocation = tuple[str, dict[str, Any]]

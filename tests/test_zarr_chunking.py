@@ -25,9 +25,9 @@ import cloudckpt
 from cloudckpt import ShardedTensor
 from cloudckpt.launch import RankPool
 from cloudckpt.storage import open_checkpoint
+from cloudckpt.strategies._zarr_format import ArrayMeta, shard_chunk_indices, split_chunk_shape
+from cloudckpt.strategies._zarr_reader import TensorReader, _direct_reads
 from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy
-from cloudckpt.zarr_format import ArrayMeta, shard_chunk_indices, split_chunk_shape
-from cloudckpt.zarr_reader import TensorReader, _direct_reads
 
 # --- split_chunk_shape --------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Tests for cloudckpt.zarr_format and cloudckpt.zarr_reader, incl. interop with zarr-python."""
+"""Tests for the zarr v2 format and reader (strategies._zarr_format, _zarr_reader), incl. zarr-python."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from cloudckpt.errors import (
     IncompatibleCheckpointError,
 )
 from cloudckpt.storage import CheckpointStorage
-from cloudckpt.zarr_format import (
+from cloudckpt.strategies._zarr_format import (
     ArrayMeta,
     bytes_to_tensor,
     decode_chunk,
@@ -31,7 +31,7 @@ from cloudckpt.zarr_format import (
     row_byte_range,
     tensor_bytes,
 )
-from cloudckpt.zarr_reader import TensorReader
+from cloudckpt.strategies._zarr_reader import TensorReader
 
 ZARRAY_KEYS = {"chunks", "compressor", "dimension_separator", "dtype", "fill_value",
                "filters", "order", "shape", "zarr_format"}

@@ -3,7 +3,7 @@
 Byte-compatible with Megatron-Core 0.15's zarr backend: ``<key>/.zarray`` plus one
 object per chunk, the chunk being the local shard shape. A shard larger than the
 strategy's ``chunk_size`` is split into several chunks (a regular grid of smaller
-chunks, see :func:`cloudckpt.zarr_format.split_chunk_shape`), so that no object is
+chunks, see :func:`cloudckpt.strategies._zarr_format.split_chunk_shape`), so that no object is
 unbounded; every chunk is a contiguous slice of the shard's bytes, written without a
 copy. All ranks derive the same chunk shape from the shared local shape and dtype,
 so no communication is needed. Each main-replica shard is written exactly once, by
@@ -35,6 +35,15 @@ from cloudckpt.manifest import TensorEntry
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
 from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult, open_checkpoint
+from cloudckpt.strategies._zarr_format import (
+    ZARRAY,
+    ArrayMeta,
+    encode_dtype,
+    shard_chunk_indices,
+    split_chunk_shape,
+    tensor_bytes,
+)
+from cloudckpt.strategies._zarr_reader import TensorReader
 from cloudckpt.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
@@ -44,15 +53,6 @@ from cloudckpt.strategies.base import (
 )
 from cloudckpt.strategies.bound import ShardedLoadMixin, ShardedSaveMixin
 from cloudckpt.validation import chunk_index, chunk_shape
-from cloudckpt.zarr_format import (
-    ZARRAY,
-    ArrayMeta,
-    encode_dtype,
-    shard_chunk_indices,
-    split_chunk_shape,
-    tensor_bytes,
-)
-from cloudckpt.zarr_reader import TensorReader
 
 logger = logging.getLogger(__name__)
 

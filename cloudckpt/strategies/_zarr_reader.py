@@ -24,8 +24,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
-from cloudckpt.validation import chunk_shape
-from cloudckpt.zarr_format import (
+from cloudckpt.strategies._zarr_format import (
     ZARRAY,
     ArrayMeta,
     ChunkOverlap,
@@ -35,6 +34,7 @@ from cloudckpt.zarr_format import (
     row_byte_range,
     tensor_bytes,
 )
+from cloudckpt.validation import chunk_shape
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def _direct_reads(sh: ShardedTensor, meta: ArrayMeta) -> list[_DirectRead] | Non
     request is one contiguous range both of the chunk and of the result - as when
     request and chunks differ only along axis 0 (an unchanged layout, a resharding
     along axis 0, flattened optimizer state) or when a shard was split into chunks
-    (see :func:`cloudckpt.zarr_format.split_chunk_shape`) and is read back whole.
+    (see :func:`cloudckpt.strategies._zarr_format.split_chunk_shape`) and is read back whole.
     Then each overlap is one read, and of a flattened request only the requested
     elements are read.
     """
