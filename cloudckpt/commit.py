@@ -105,7 +105,7 @@ class CommittedCheckpoint:
         """Path -> (size, CRC-32C) of every object the manifest lists (None: foreign)."""
         if self.manifest is None:
             return None
-        return {e.path: WriteResult(e.path, e.size, e.crc32c) for e in self.manifest.objects}
+        return {e.path: e for e in self.manifest.objects}
 
 
 def read_commit_state(storage: CheckpointStorage) -> CommitState:
@@ -197,7 +197,7 @@ def amend_manifest(
     manifest = read_manifest(storage)
     if manifest is None:
         return
-    new = {r.path: ManifestEntry(r.path, r.size, r.crc32c) for r in rewritten}
+    new = {r.path: r for r in rewritten}
     gone = set(deleted)
     objects = tuple(
         new.pop(e.path, e)
@@ -312,7 +312,7 @@ def commit(
     """
     from cloudckpt import dist  # noqa: PLC0415 - torch only for saves, not for ls/verify/gc
 
-    entries = [ManifestEntry(r.path, r.size, r.crc32c) for r in results]
+    entries = list(results)
     gathered = dist.all_gather_object((entries, list(tensors), list(common_keys)))
     manifest = None
     with dist.agree(f"committing checkpoint {storage.uri!r}"):

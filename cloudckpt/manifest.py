@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.storage.types import WriteResult
 
 MANIFEST_FNAME = "manifest.json"
 CLAIM_FNAME = ".cloudckpt-claim.json"
@@ -34,13 +35,9 @@ class ManifestError(CheckpointingException, ValueError):
     """``manifest.json`` is not a valid cloudckpt manifest."""
 
 
-@dataclass(frozen=True, slots=True)
-class ManifestEntry:
-    """One stored object: path relative to the checkpoint root, size, CRC-32C."""
-
-    path: str
-    size: int
-    crc32c: int
+ManifestEntry = WriteResult
+"""One stored object: path relative to the checkpoint root, size, CRC-32C. The same type
+as a write's result: what a rank measured while writing is what the manifest records."""
 
 
 @dataclass(frozen=True, slots=True)

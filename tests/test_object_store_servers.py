@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import cloudckpt
+import cloudckpt.storage.s3
 from cloudckpt import ShardedTensor
 from cloudckpt.checker import verify
 from cloudckpt.config import CheckpointConfig
@@ -33,7 +34,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.storage import CheckpointStorage
-from cloudckpt.transfer import BufferReader
+from cloudckpt.storage.buffers import BufferReader
 from tests.fixtures_object_stores import (
     GS_CASES,
     S3_CASES,
@@ -163,7 +164,7 @@ def test_a_part_corrupted_in_flight_is_never_committed_unnoticed(
     weight = torch.randn(3 * MiB, generator=torch.Generator().manual_seed(0))  # 12 MiB
     state = {"w": ShardedTensor.from_rank_offsets("w", weight), "iteration": 1}
     config = CheckpointConfig(part_size=5 * MiB, chunk_size=None)
-    monkeypatch.setattr(cloudckpt.storage, "BufferReader", _CorruptingReader)
+    monkeypatch.setattr(cloudckpt.storage.s3, "BufferReader", _CorruptingReader)
 
     if server.checks_crc32c:
         with pytest.raises(CheckpointingException) as info:

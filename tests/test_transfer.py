@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from cloudckpt.config import MiB
-from cloudckpt.transfer import (
+from cloudckpt.storage.buffers import (
     BufferReader,
     Progress,
     as_bytes_view,
@@ -77,7 +77,7 @@ def test_crc32c_known_value_and_s3_encoding() -> None:
 
 
 def test_progress_logs_at_most_every_interval(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="cloudckpt.transfer")
+    caplog.set_level(logging.INFO, logger="cloudckpt.storage.buffers")
     progress = Progress("wrote", "s3://b/ckpt", total_bytes=4_000_000, count=4, interval=0.0)
     for _ in range(4):
         progress.add(1_000_000)

@@ -1,4 +1,4 @@
-"""Tests for the zarr v2 format and reader (strategies._zarr_format, _zarr_reader), incl. zarr-python."""
+"""Tests for the zarr v2 format and reader (strategies._zarr_format, _zarr_reader)."""
 
 from __future__ import annotations
 

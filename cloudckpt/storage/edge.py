@@ -1,0 +1,54 @@
+"""The error contract at the I/O edge: only I/O errors are caught, and each becomes a
+:class:`~cloudckpt.errors.StorageError` that keeps its built-in kind (refused
+credentials stay a ``PermissionError``); anything else (a ``TypeError``: a bug)
+propagates unchanged."""
+
+from __future__ import annotations
+
+import functools
+
+from cloudckpt.errors import StorageAccessDeniedError, StorageError
+
+PRECONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict")
+AUTH_ERROR_CODES = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "InvalidToken",
+    "ExpiredToken",
+    "TokenRefreshRequired",
+    "403",
+)
+
+
+@functools.cache
+def io_errors() -> tuple[type[BaseException], ...]:
+    """The exception types of a failed request: ``OSError`` (fsspec's contract, and
+    timeouts) plus those of the installed clients (botocore, aiohttp, gcsfs,
+    google-auth) that are not ``OSError`` subclasses."""
+    found: list[type[BaseException]] = [OSError]
+    for module, names in (
+        ("botocore.exceptions", ("BotoCoreError", "ClientError")),
+        ("aiohttp", ("ClientError",)),
+        ("gcsfs.retry", ("HttpError",)),
+        ("google.auth.exceptions", ("GoogleAuthError",)),
+    ):
+        try:
+            imported = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        found += [getattr(imported, name) for name in names if hasattr(imported, name)]
+    return tuple(found)
+
+
+def error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ClientError ("" for anything else)."""
+    response = getattr(exc, "response", None)
+    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+
+
+def translate(exc: BaseException, message: str) -> StorageError:
+    """The StorageError to raise for the I/O error ``exc``, with ``message``."""
+    if isinstance(exc, PermissionError) or error_code(exc) in AUTH_ERROR_CODES:
+        return StorageAccessDeniedError(message)
+    return StorageError(message)

@@ -1,0 +1,60 @@
+"""Listings of a checkpoint's objects: objects only, on every store (no "directory"
+entries, which s3fs reports for prefixes and SeaweedFS keeps after their objects are
+deleted; no directory-marker keys; not the root itself)."""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+from cloudckpt.storage.edge import io_errors, translate
+from cloudckpt.storage.location import Location
+
+
+def list_sizes(location: Location, base: str) -> dict[str, int]:
+    """``{path relative to the root: size}`` of every object below ``base`` (a path of
+    the filesystem at or below the root), sorted, from one recursive listing."""
+    fs = location.fs
+    try:
+        found = fs.find(base, withdirs=False, detail=True) if fs.exists(base) else {}
+    except FileNotFoundError:
+        found = {}
+    except io_errors() as exc:
+        raise translate(exc, f"failed to list {location.uri}: {exc}") from exc
+    root = fs._strip_protocol(location.root).rstrip("/")
+    prefix_len = len(root) + 1 if root else 0
+    sizes: dict[str, int] = {}
+    for path, info in sorted(found.items()):
+        name = fs._strip_protocol(path)
+        if is_directory_entry(name, info) or name.rstrip("/") == root:
+            continue
+        sizes[name[prefix_len:]] = int(info.get("size") or 0)
+    return sizes
+
+
+def list_children(location: Location) -> list[str]:
+    """Names of the immediate sub-prefixes ("directories") of the root, sorted."""
+    fs = location.fs
+    try:
+        entries = fs.ls(location.root, detail=True) if fs.exists(location.root) else []
+    except FileNotFoundError:
+        entries = []
+    except io_errors() as exc:
+        raise translate(exc, f"failed to list {location.uri}: {exc}") from exc
+    root = fs._strip_protocol(location.root).rstrip("/")
+    names = set()
+    for entry in entries:
+        path = fs._strip_protocol(entry["name"]).rstrip("/")
+        if entry.get("type") == "directory" and path != root:
+            names.add(posixpath.basename(path))
+    return sorted(names)
+
+
+def is_directory_entry(name: str, info: Mapping[str, Any]) -> bool:
+    """A listing entry that is a "directory", not an object: typed so by the filesystem,
+    or a zero-size key ending in ``/`` (a directory marker object)."""
+    if info.get("type") == "directory":
+        return True
+    key = str(info.get("Key") or info.get("name") or name)
+    return (key.endswith("/") or name.endswith("/")) and not int(info.get("size") or 0)

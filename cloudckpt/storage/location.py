@@ -1,0 +1,205 @@
+"""Where a checkpoint lives: a URI resolved once into an fsspec filesystem, a root
+path and the kind of store (which picks the transport), plus the check that a key
+from a state dict is usable as an object path below that root."""
+
+from __future__ import annotations
+
+import copy
+import os
+import posixpath
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from cloudckpt.config import CheckpointConfig, redact_uri, resolve_storage_options
+from cloudckpt.errors import InvalidKeyError, StorageError
+
+S3_PROTOCOLS = ("s3", "s3a")
+GCS_PROTOCOLS = ("gs", "gcs")
+DATA_CONNECT_TIMEOUT_S = 10.0  # botocore's default is 60 s, times 5 attempts
+
+
+class StoreKind(Enum):
+    """The kind of store behind a filesystem: it chooses the transport, once."""
+
+    LOCAL = "local"
+    MEMORY = "memory"
+    S3 = "s3"
+    GCS = "gcs"
+    OTHER = "other"
+
+
+class MissingDependencyError(StorageError):
+    """The URI's store needs a package that is not installed (e.g. s3fs for ``s3://``).
+
+    ``extra`` is the cloudckpt extra that installs it (``"s3"``, ``"gcs"``), or ``""``.
+    """
+
+    def __init__(self, message: str, extra: str = "") -> None:
+        super().__init__(message)
+        self.extra = extra
+
+
+# protocol -> (the package its fsspec filesystem lives in, the cloudckpt extra installing it)
+_STORE_EXTRAS = {
+    **dict.fromkeys(S3_PROTOCOLS, ("s3fs", "s3")),
+    **dict.fromkeys(GCS_PROTOCOLS, ("gcsfs", "gcs")),
+}
+
+
+@dataclass(frozen=True)
+class Location:
+    """A checkpoint's filesystem, root path (no trailing ``/``), redacted URI and kind."""
+
+    fs: fsspec.AbstractFileSystem
+    root: str
+    uri: str
+    kind: StoreKind
+
+    def full_path(self, relpath: str) -> str:
+        """Filesystem path of ``relpath`` (validated) below the root."""
+        validate_relpath(relpath, self.uri)
+        return posixpath.join(self.root, relpath) if self.root else relpath
+
+    def child_uri(self, relpath: str) -> str:
+        """A human-readable URI of ``relpath`` for messages."""
+        return self.uri.rstrip("/") + "/" + relpath
+
+
+def resolve(
+    raw_uri: str,
+    fs: fsspec.AbstractFileSystem | None,
+    storage_options: dict[str, Any] | None,
+    config: CheckpointConfig,
+    max_in_flight: int,
+) -> Location:
+    """Resolve ``raw_uri`` (or take ``fs``, the URI's path being the root).
+
+    Raises:
+        MissingDependencyError: the URI's store is not installed (names the extra).
+        StorageError: fsspec cannot make sense of the URI or the options.
+    """
+    uri = redact_uri(raw_uri)
+    if fs is None:
+        fs, root = _filesystem(raw_uri, uri, storage_options, config, max_in_flight)
+    else:
+        root = fs._strip_protocol(raw_uri)
+    root = root.rstrip("/") if root not in ("/", "") else root
+    return Location(fs, root, uri, store_kind(fs))
+
+
+def store_kind(fs: fsspec.AbstractFileSystem) -> StoreKind:
+    """The kind of store ``fs`` talks to."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if isinstance(fs, LocalFileSystem):
+        return StoreKind.LOCAL
+    if "memory" in protocols:
+        return StoreKind.MEMORY
+    if any(p in S3_PROTOCOLS for p in protocols):
+        return StoreKind.S3
+    if any(p in GCS_PROTOCOLS for p in protocols):
+        return StoreKind.GCS
+    return StoreKind.OTHER
+
+
+def _filesystem(
+    raw_uri: str,
+    uri: str,
+    storage_options: dict[str, Any] | None,
+    config: CheckpointConfig,
+    max_in_flight: int,
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    protocol, _ = fsspec.core.split_protocol(raw_uri)
+    protocol = protocol or "file"
+    options = resolve_storage_options(protocol, storage_options, config)
+    if protocol in S3_PROTOCOLS:
+        options = _s3_client_defaults(options, max_in_flight)
+    elif protocol in GCS_PROTOCOLS:
+        options = {"use_listings_cache": False, **options}
+    try:
+        fs, root = fsspec.core.url_to_fs(raw_uri, **options)
+    except ImportError as exc:
+        raise _missing_dependency(protocol, uri, exc) from exc
+    except (ValueError, TypeError) as exc:
+        raise StorageError(f"cannot open {uri}: {exc}") from exc
+    return fs, str(root)
+
+
+def _missing_dependency(protocol: str, uri: str, exc: ImportError) -> MissingDependencyError:
+    if protocol not in _STORE_EXTRAS:
+        return MissingDependencyError(f"cannot open {uri}: {exc}")
+    package, extra = _STORE_EXTRAS[protocol]
+    return MissingDependencyError(
+        f"cannot open {uri}: {protocol}:// URIs need {package}, which is not installed "
+        f"(or failed to import: {exc}); install it with: pip install 'cloudckpt[{extra}]' "
+        "(or 'cloudckpt[all]' for every object store)",
+        extra,
+    )
+
+
+def _s3_client_defaults(options: dict[str, Any], max_in_flight: int) -> dict[str, Any]:
+    """s3fs options with a connection pool for ``max_in_flight`` requests and botocore's
+    standard retry mode (which rewinds request bodies between attempts); explicit
+    ``config_kwargs`` win."""
+    # copies all the way down: botocore rewrites the ``retries`` dict it is given
+    config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
+    config_kwargs.setdefault("max_pool_connections", max(10, max_in_flight))
+    config_kwargs.setdefault("connect_timeout", DATA_CONNECT_TIMEOUT_S)
+    retries = config_kwargs.setdefault("retries", {})
+    retries.setdefault("mode", "standard")
+    retries.setdefault("max_attempts", 5)
+    client_kwargs = copy.deepcopy(dict(options.get("client_kwargs") or {}))
+    return {
+        # other jobs write the same bucket: listings must not come from a cache
+        "use_listings_cache": False,
+        **options,
+        "config_kwargs": config_kwargs,
+        "client_kwargs": client_kwargs,
+    }
+
+
+def validate_relpath(key: str, uri: str = "") -> str:
+    """Check that ``key`` is usable as an object path below a checkpoint root.
+
+    Keys come from user state dicts. They must be relative, with no empty, ``.`` or
+    ``..`` segments and no backslashes, so that no key can escape the checkpoint
+    prefix or alias another key.
+
+    Raises:
+        InvalidKeyError: naming the key and the checkpoint URI.
+    """
+    where = f" in checkpoint {uri!r}" if uri else ""
+    if not isinstance(key, str) or not key:
+        raise InvalidKeyError(f"invalid key {key!r}{where}: keys must be non-empty strings")
+    if key.startswith("/") or "\\" in key:
+        raise InvalidKeyError(
+            f"invalid key {key!r}{where}: keys must be relative paths without backslashes"
+        )
+    bad = [seg for seg in key.split("/") if seg in ("", ".", "..")]
+    if bad:
+        raise InvalidKeyError(
+            f"invalid key {key!r}{where}: empty, '.' or '..' path segments are not allowed"
+        )
+    return key
+
+
+def enforces_exclusive_writes(location: Location) -> bool | None:
+    """Whether create-only writes are known to be enforced by the store.
+
+    True for local disks, ``memory://``, S3 (AWS, MinIO, SeaweedFS; moto) and Google
+    Cloud Storage itself. None (unknown) for a GCS endpoint other than Google's and
+    for other protocols: GCS emulators differ (fake-gcs-server enforces
+    ``ifGenerationMatch=0`` on simple uploads, gcp-storage-emulator ignores it), and
+    no name tells them apart.
+    """
+    if location.kind in (StoreKind.LOCAL, StoreKind.MEMORY, StoreKind.S3):
+        return True
+    if location.kind is StoreKind.GCS:
+        endpoint = str(
+            getattr(location.fs, "_endpoint", None) or os.environ.get("STORAGE_EMULATOR_HOST", "")
+        )
+        return True if not endpoint or "googleapis.com" in endpoint else None
+    return None

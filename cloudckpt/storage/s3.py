@@ -1,0 +1,283 @@
+"""S3 (and S3-compatible stores): uploads straight from tensor memory with a CRC-32C
+per request, create-only writes (``If-None-Match: *``), multipart uploads with
+concurrent parts that are aborted on failure, listings of open uploads, and a first
+request that fails within seconds on an unreachable endpoint or refused credentials,
+naming the setting to fix."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import fsspec
+import fsspec.asyn
+
+from cloudckpt.config import redact_uri
+from cloudckpt.errors import StorageAccessDeniedError, StorageError, StorageUnreachableError
+from cloudckpt.storage.buffers import BufferReader, crc32c, crc32c_base64, plan_parts
+from cloudckpt.storage.edge import AUTH_ERROR_CODES, error_code, io_errors, translate
+from cloudckpt.storage.location import Location
+from cloudckpt.storage.pool import RequestPool, guarded
+from cloudckpt.storage.transport import Transport
+from cloudckpt.storage.types import OpenUpload
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Event
+
+    from cloudckpt.storage.buffers import Progress
+    from cloudckpt.storage.pool import PendingWrite
+
+logger = logging.getLogger(__name__)
+
+PROBE_CONNECT_TIMEOUT_S = 2.0
+PROBE_READ_TIMEOUT_S = 5.0
+ENDPOINT_SETTINGS = (
+    "the environment (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL), --storage-option "
+    "endpoint_url=URL on the command line, or storage_options {endpoint_url: URL} in the "
+    "config or the storage_options= argument"
+)
+CREDENTIAL_SETTINGS = (
+    "the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, or "
+    "AWS_PROFILE), --storage-option key=... --storage-option secret=... on the command "
+    "line, or storage_options {key, secret, token} in the config or the storage_options= "
+    "argument; check the endpoint too"
+)
+# filesystems whose first request succeeded (one probe per client, not per checkpoint)
+_checked: weakref.WeakSet[fsspec.AbstractFileSystem] = weakref.WeakSet()
+
+
+class S3Transport(Transport):
+    """Requests through s3fs's botocore client; bodies are sent with botocore retries
+    only (s3fs's own retry loop would resend a body without rewinding it)."""
+
+    multipart = True
+
+    def __init__(self, location: Location, pool: RequestPool, part_size: int) -> None:
+        super().__init__(location, pool, part_size)
+        check_access(location)
+
+    def put(self, path: str, view: memoryview, checksum: int, **extra: Any) -> None:
+        bucket, key, _ = self.fs.split_path(path)
+        self.send(
+            "put_object",
+            Bucket=bucket,
+            Key=key,
+            Body=BufferReader(view),
+            ChecksumCRC32C=crc32c_base64(checksum),
+            **extra,
+        )
+        self.fs.invalidate_cache(path)
+
+    def create(self, path: str, view: memoryview, checksum: int) -> None:
+        self.put(path, view, checksum, IfNoneMatch="*")
+
+    def send(self, method: str, **kwargs: Any) -> Any:
+        """An S3 call with a request body (botocore retries only), in a request slot."""
+        with self.pool.slots:
+            return fsspec.asyn.sync(self.fs.loop, _send_once, self.fs, method, **kwargs)
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        """An S3 call without a body (s3fs retries too), in a request slot."""
+        with self.pool.slots:
+            return self.fs.call_s3(method, **kwargs)
+
+    # -- multipart uploads -------------------------------------------------------------
+
+    def start_multipart(
+        self,
+        executor: ThreadPoolExecutor,
+        item: PendingWrite,
+        path: str,
+        progress: Progress,
+        cancel: Event,
+    ) -> None:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            upload = self.call(
+                "create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C"
+            )
+        except io_errors() as exc:
+            raise translate(
+                exc, f"failed to start a multipart upload of {self._uri(item)}: {exc}"
+            ) from exc
+        item.upload_id = upload["UploadId"]
+        logger.debug("multipart upload %s of %s started", item.upload_id, self._uri(item))
+        for number, (start, end) in enumerate(plan_parts(item.view.nbytes, self.part_size), 1):
+            item.futures.append(
+                executor.submit(
+                    guarded, cancel, self._upload_part, item, path, number, start, end, progress
+                )
+            )
+
+    def _upload_part(
+        self, item: PendingWrite, path: str, number: int, start: int, end: int, progress: Progress
+    ) -> dict[str, Any]:
+        bucket, key, _ = self.fs.split_path(path)
+        part = item.view[start:end]
+        checksum = crc32c_base64(crc32c(part))
+        try:
+            response = self.send(
+                "upload_part",
+                Bucket=bucket,
+                Key=key,
+                UploadId=item.upload_id,
+                PartNumber=number,
+                Body=BufferReader(part),
+                ChecksumCRC32C=checksum,
+            )
+        except io_errors() as exc:
+            raise translate(
+                exc,
+                f"failed to upload part {number} (bytes {start}-{end}) of {self._uri(item)}: "
+                f"{exc}",
+            ) from exc
+        progress.add(part.nbytes)
+        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
+
+    def complete_multipart(self, item: PendingWrite, path: str) -> None:
+        bucket, key, _ = self.fs.split_path(path)
+        parts = [future.result() for future in item.futures]
+        try:
+            self.call(
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=item.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except io_errors() as exc:
+            raise translate(
+                exc, f"failed to complete the multipart upload of {self._uri(item)}: {exc}"
+            ) from exc
+        self.fs.invalidate_cache(path)
+
+    def abort_multipart(self, item: PendingWrite, path: str) -> None:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=item.upload_id)
+            logger.info("aborted multipart upload of %s", self._uri(item))
+        except io_errors() as exc:  # keep the original error; say what is left
+            logger.warning(
+                "could not abort multipart upload %s of %s (a bucket lifecycle rule will "
+                "remove it): %s",
+                item.upload_id,
+                self._uri(item),
+                exc,
+            )
+
+    def open_uploads(self) -> list[OpenUpload]:
+        bucket, key, _ = self.fs.split_path(self.location.root)
+        prefix = key.rstrip("/") + "/" if key else ""
+        uploads: list[OpenUpload] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self.call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            uploads += [
+                OpenUpload(u["Key"][len(prefix) :], u["UploadId"], _iso(u.get("Initiated")))
+                for u in page.get("Uploads", [])
+            ]
+            if not page.get("IsTruncated"):
+                return uploads
+            markers = {
+                "KeyMarker": page["NextKeyMarker"],
+                "UploadIdMarker": page["NextUploadIdMarker"],
+            }
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        bucket, key, _ = self.fs.split_path(self.location.full_path(upload.path))
+        self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id)
+
+    def _uri(self, item: PendingWrite) -> str:
+        return self.location.child_uri(item.relpath)
+
+
+async def _send_once(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 API call with a request body, retried only by botocore.
+
+    s3fs's own retry loop (``call_s3``) would send the same body object again without
+    rewinding it; botocore's retries rewind it. s3fs's ``s3_additional_kwargs`` (for
+    example server-side encryption settings) still apply.
+    """
+    await fs.set_session()
+    client = await fs.get_s3(kwargs.get("Bucket"))
+    call = getattr(client, method)
+    return await call(**fs._get_s3_method_kwargs(call, **kwargs))
+
+
+def _iso(value: Any) -> str:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value or "")
+
+
+# -- the first request: fail fast, naming the setting to fix ----------------------------
+
+
+def check_access(location: Location) -> None:
+    """List one key under the root through a client of the same settings that makes one
+    attempt with short timeouts, once per filesystem instance: an unreachable endpoint or
+    refused credentials fail within seconds, not after botocore's retries with backoff
+    (data requests keep them).
+
+    Raises:
+        StorageUnreachableError / StorageAccessDeniedError: naming the settings to fix.
+    """
+    fs = location.fs
+    bucket, key, _ = fs.split_path(location.root)
+    if not bucket or fs in _checked:
+        return
+    probe = type(fs)(**_probe_options(dict(fs.storage_options)))
+    probe.retries = 1  # s3fs's own retry loop, around botocore's
+    try:
+        probe.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
+    except io_errors() as exc:  # anything else is left to the real request
+        error = _access_error(exc, location.uri, _endpoint_of(probe))
+        if error is not None:
+            raise error from exc
+        logger.debug("%s: first request failed: %s", location.uri, exc)
+    _checked.add(fs)
+
+
+def _probe_options(options: dict[str, Any]) -> dict[str, Any]:
+    config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
+    config_kwargs.update(
+        connect_timeout=PROBE_CONNECT_TIMEOUT_S,
+        read_timeout=PROBE_READ_TIMEOUT_S,
+        retries={"mode": "standard", "max_attempts": 1},
+    )
+    return {**options, "config_kwargs": config_kwargs, "skip_instance_cache": True}
+
+
+def _endpoint_of(fs: Any) -> str:
+    client = getattr(fs, "_s3", None)
+    url = getattr(getattr(client, "meta", None), "endpoint_url", None)
+    return redact_uri(str(url)) if url else "the default AWS endpoint"
+
+
+def _access_error(exc: BaseException, uri: str, endpoint: str) -> StorageError | None:
+    """The error to raise for a failed first request, or None when it is neither a
+    connection failure nor refused credentials."""
+    import botocore.exceptions as boto  # type: ignore[import-untyped]  # noqa: PLC0415
+
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    if isinstance(exc, boto.ConnectionError | boto.ConnectTimeoutError) or isinstance(
+        cause, boto.ConnectionError
+    ):
+        return StorageUnreachableError(
+            f"cannot reach the S3 endpoint {endpoint} for {uri}: {exc}. The endpoint comes "
+            f"from {ENDPOINT_SETTINGS}"
+        )
+    if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
+        return StorageAccessDeniedError(
+            f"no S3 credentials for {uri} (endpoint {endpoint}): {exc}. Set them in "
+            f"{CREDENTIAL_SETTINGS}"
+        )
+    code = error_code(cause)
+    if code in AUTH_ERROR_CODES or (not code and isinstance(exc, PermissionError)):
+        return StorageAccessDeniedError(
+            f"the S3 endpoint {endpoint} refused the credentials for {uri} "
+            f"({code or type(exc).__name__}: {exc}). The credentials come from "
+            f"{CREDENTIAL_SETTINGS}"
+        )
+    return None

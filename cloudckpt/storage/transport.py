@@ -1,0 +1,147 @@
+"""How bytes move to and from one kind of store, chosen once per storage
+(:func:`transport_for`): local disks (``O_EXCL`` creates, reads straight into
+buffers), GCS (resumable uploads in part-size chunks, create-only writes as simple
+uploads), any other fsspec filesystem, and S3 (:mod:`cloudckpt.storage.s3`).
+
+Transports raise the filesystem's own errors; :class:`CheckpointStorage` translates
+them at its edge, naming the object.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import TYPE_CHECKING
+
+from cloudckpt.storage.buffers import plan_parts
+from cloudckpt.storage.location import Location, StoreKind
+from cloudckpt.storage.pool import RequestPool
+from cloudckpt.storage.types import OpenUpload
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Event
+
+    from cloudckpt.storage.buffers import Progress
+    from cloudckpt.storage.pool import PendingWrite
+
+GCS_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable uploads take chunks in multiples of this
+
+
+class Transport:
+    """Any fsspec filesystem: whole-object ``pipe_file`` writes, ``cat_file`` reads.
+
+    Every request holds one slot of the process's :class:`RequestPool`.
+    """
+
+    multipart = False  # objects above part_size go up in concurrent parts (S3)
+
+    def __init__(self, location: Location, pool: RequestPool, part_size: int) -> None:
+        self.location = location
+        self.fs = location.fs
+        self.pool = pool
+        self.part_size = part_size
+
+    def put(self, path: str, view: memoryview, checksum: int) -> None:
+        """Write a whole object, replacing any previous one."""
+        with self.pool.slots:
+            self.fs.pipe_file(path, view)
+
+    def create(self, path: str, view: memoryview, checksum: int) -> None:
+        """Write a whole object only if none exists (raises ``FileExistsError``)."""
+        with self.pool.slots:
+            self.fs.pipe_file(path, view, mode="create")
+
+    def fetch(self, path: str, start: int, end: int | None) -> bytes:
+        """The bytes ``[start, end)`` of an object (``end=None``: to its end)."""
+        with self.pool.slots:
+            return bytes(self.fs.cat_file(path, start=start or None, end=end))
+
+    def fetch_into(self, path: str, out: memoryview, start: int) -> int:
+        """Fill ``out`` from ``start``; returns the bytes received."""
+        with self.pool.slots:
+            data = self.fs.cat_file(path, start=start, end=start + out.nbytes)
+        out[: len(data)] = data
+        return len(data)
+
+    def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
+        """How a read of ``nbytes`` into one buffer is cut into concurrent requests."""
+        return [(0, nbytes)] if nbytes <= self.part_size else plan_parts(nbytes, self.part_size)
+
+    def start_multipart(
+        self,
+        executor: ThreadPoolExecutor,
+        item: PendingWrite,
+        path: str,
+        progress: Progress,
+        cancel: Event,
+    ) -> None:
+        """Start a multipart upload of ``item`` (transports with ``multipart`` only)."""
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
+
+    def complete_multipart(self, item: PendingWrite, path: str) -> None:
+        """Complete the multipart upload of ``item`` once its parts are up."""
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
+
+    def abort_multipart(self, item: PendingWrite, path: str) -> None:
+        """Abort the multipart upload of ``item`` (logs when that fails too)."""
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
+
+    def open_uploads(self) -> list[OpenUpload]:
+        """Multipart uploads open below the root (none outside S3)."""
+        return []
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        """Abort an open multipart upload (none outside S3)."""
+
+
+class LocalTransport(Transport):
+    """Local disks: directories made on demand, real ``O_EXCL`` creates (fsspec's
+    ``mode="create"`` checks, then opens: two racing creates could both win), and reads
+    straight into the caller's buffer."""
+
+    def put(self, path: str, view: memoryview, checksum: int) -> None:
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        super().put(path, view, checksum)
+
+    def create(self, path: str, view: memoryview, checksum: int) -> None:
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        with self.pool.slots, self.fs.open(path, "xb") as f:
+            f.write(view)
+
+    def fetch_into(self, path: str, out: memoryview, start: int) -> int:
+        with self.pool.slots, self.fs.open(path, "rb") as f:
+            f.seek(start)
+            return int(f.readinto(out))
+
+    def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
+        return [(0, nbytes)]
+
+
+class GcsTransport(Transport):
+    """GCS through gcsfs: resumable uploads in ``part_size`` chunks (GCS's JSON API has
+    no parallel parts); create-only writes always as one simple upload."""
+
+    def put(self, path: str, view: memoryview, checksum: int) -> None:
+        chunk = max(GCS_CHUNK_MULTIPLE, self.part_size - self.part_size % GCS_CHUNK_MULTIPLE)
+        with self.pool.slots:
+            self.fs.pipe_file(path, view, chunksize=chunk)
+
+    def create(self, path: str, view: memoryview, checksum: int) -> None:
+        # gcsfs switches to a resumable upload from ``chunksize`` (50 MiB) on, and a
+        # server may apply ifGenerationMatch=0 to simple uploads only (fake-gcs-server
+        # does): the claim and the manifest must never take that path.
+        with self.pool.slots:
+            self.fs.pipe_file(path, view, mode="create", chunksize=view.nbytes + 1)
+
+
+def transport_for(location: Location, pool: RequestPool, part_size: int) -> Transport:
+    """The transport for ``location``'s kind of store."""
+    if location.kind is StoreKind.S3:
+        from cloudckpt.storage.s3 import S3Transport  # noqa: PLC0415 - needs s3fs
+
+        return S3Transport(location, pool, part_size)
+    kinds: dict[StoreKind, type[Transport]] = {
+        StoreKind.LOCAL: LocalTransport,
+        StoreKind.GCS: GcsTransport,
+    }
+    return kinds.get(location.kind, Transport)(location, pool, part_size)

@@ -1,0 +1,45 @@
+"""The values the storage layer hands out and takes: what a write produced, a byte
+range to read, an open multipart upload. Frozen and slotted; no I/O here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    """One object of a checkpoint: what a write produced, and what the manifest records.
+
+    Attributes:
+        path: object path relative to the checkpoint root (``"layer.w/0.0"``).
+        size: bytes written.
+        crc32c: CRC-32C (Castagnoli) of the bytes written, as an unsigned int.
+    """
+
+    path: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpenUpload:
+    """A multipart upload started and neither completed nor aborted (S3 only).
+
+    Attributes:
+        path: object path relative to the checkpoint root.
+        upload_id: the store's id of the upload.
+        initiated: when it started, ISO 8601 ("" when the store does not say).
+    """
+
+    path: str
+    upload_id: str
+    initiated: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """A byte range of one object; ``end=None`` reads to the end of the object."""
+
+    path: str
+    start: int = 0
+    end: int | None = None
