@@ -24,10 +24,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cloudckpt.commit import CommitState, no_checkpoint_error
-from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig
 from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestEntry, ManifestError
+from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
 
 __all__ = ["PROBLEM_KINDS", "ConsistencyReport", "Problem", "verify"]

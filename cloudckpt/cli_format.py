@@ -5,7 +5,7 @@ the view of a checkpoint that ``inspect`` prints.
 results into text. Apart from :func:`describe` and :func:`manifest_size` (which read a
 checkpoint's commit objects, manifest or, for a foreign checkpoint, its metadata), it does
 no I/O. Every string that reaches the terminal, in a table or in JSON, goes through
-:func:`~cloudckpt.config.redact_uri` first, so a URI carrying credentials is never shown.
+:func:`~cloudckpt.redact.redact_uri` first, so a URI carrying credentials is never shown.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from typing import Any
 
 from cloudckpt.checker import ConsistencyReport
 from cloudckpt.commit import CommittedCheckpoint, open_committed, read_manifest
-from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.manifest import Manifest, TensorEntry
+from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, open_checkpoint
 from cloudckpt.tracker import REASON_STALE_UPLOAD, CheckpointInfo, GcReport
 

@@ -23,11 +23,12 @@ import torch
 
 from cloudckpt import dist
 from cloudckpt.commit import claim, commit
-from cloudckpt.config import CheckpointConfig, GiB, redact_uri
+from cloudckpt.config import CheckpointConfig, GiB
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.load_session import LoadSession
 from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
 from cloudckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from cloudckpt.redact import redact_uri
 from cloudckpt.session import SaveSession
 from cloudckpt.storage import WriteResult
 from cloudckpt.strategies.base import StrategyAction, get_default_strategy

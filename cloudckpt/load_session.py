@@ -18,7 +18,7 @@ import torch
 
 from cloudckpt import dist
 from cloudckpt.commit import CommittedCheckpoint, open_committed
-from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.dict_utils import (
     dict_list_map_outplace,
     extract_matching_values,
@@ -36,6 +36,7 @@ from cloudckpt.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from cloudckpt.redact import redact_uri
 from cloudckpt.session import local_metadata, log_rate, logged_failure, open_storage
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies.base import (

@@ -18,9 +18,10 @@ from typing import Any, TypeVar
 
 from cloudckpt import dist
 from cloudckpt.commit import read_commit_state
-from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.load_session import LoadSession, load_checkpoint
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict
+from cloudckpt.redact import redact_uri
 from cloudckpt.session import SaveSession, open_storage
 from cloudckpt.strategies.base import (
     LoadCommonStrategy,

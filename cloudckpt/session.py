@@ -25,7 +25,7 @@ from typing import Any
 
 from cloudckpt import dist
 from cloudckpt.commit import claim, commit, require_empty
-from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dict_utils import (
     extract_matching_values,
@@ -44,6 +44,7 @@ from cloudckpt.mapping import (
     StateDict,
     apply_factories,
 )
+from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint, validate_relpath
 from cloudckpt.strategies.base import (
     SaveCommonStrategy,

@@ -26,10 +26,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cloudckpt.commit import no_checkpoint_error, read_commit_state, release_claim, uncommit
-from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CONFIG_FNAME
 from cloudckpt.errors import CheckpointNotFoundError
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestError
+from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
 
 __all__ = [

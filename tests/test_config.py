@@ -23,11 +23,10 @@ from cloudckpt.config import (
     from_dict,
     from_yaml,
     parse_size,
-    redact_options,
-    redact_uri,
     resolve_storage_options,
 )
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.redact import redact_options, redact_uri
 
 SECRETS = ("AKIAEXAMPLE", "s3cr3t-value", "ya29.tok3n", "sess-t0ken")
 

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cloudckpt.config import redact_uri
 from cloudckpt.demo.model import model_sharded_state_dict, optimizer_sharded_state_dict
 from cloudckpt.demo.train import Trainer
 from cloudckpt.mapping import ShardedObject, ShardedStateDict
+from cloudckpt.redact import redact_uri
 from cloudckpt.serialization import load
 from cloudckpt.tracker import latest
 

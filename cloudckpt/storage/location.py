@@ -14,8 +14,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from cloudckpt.config import CheckpointConfig, redact_uri, resolve_storage_options
+from cloudckpt.config import CheckpointConfig, resolve_storage_options
 from cloudckpt.errors import InvalidKeyError, StorageError
+from cloudckpt.redact import redact_uri
 
 S3_PROTOCOLS = ("s3", "s3a")
 GCS_PROTOCOLS = ("gs", "gcs")

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 import fsspec.asyn
 
-from cloudckpt.config import redact_uri
 from cloudckpt.errors import StorageAccessDeniedError, StorageError, StorageUnreachableError
+from cloudckpt.redact import redact_uri
 from cloudckpt.storage.buffers import BufferReader, crc32c, crc32c_base64, plan_parts
 from cloudckpt.storage.edge import AUTH_ERROR_CODES, error_code, io_errors, translate
 from cloudckpt.storage.location import Location
