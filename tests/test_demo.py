@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cloudckpt.demo.run import cli_command, next_step_lines
+from cloudckpt.demo.report import cli_command, next_step_lines
 from cloudckpt.storage import CheckpointStorage
 from tests.fixtures_object_stores import GCSEndpoint, S3Endpoint
 

@@ -10,7 +10,9 @@ Each rank
    :func:`cloudckpt.load` and compares every tensor bit for bit, plus the common
    state, the per-rank ShardedObject and the LocalNonpersistentObject.
 
-Rank 0 returns a :class:`DemoResult`; mismatches raise :class:`DemoVerificationError`.
+Rank 0 returns a :class:`~cloudckpt.demo.report.DemoResult`; mismatches raise
+:class:`DemoVerificationError`. The state dicts and the check are in
+:mod:`cloudckpt.demo.state`, the summary printed in :mod:`cloudckpt.demo.report`.
 """
 
 from __future__ import annotations
@@ -18,35 +20,30 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
-import posixpath
-import shlex
-import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 
-from cloudckpt.config import CheckpointConfig, redact_uri
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.demo import resume
-from cloudckpt.demo.model import (
-    GPTConfig,
-    Layout,
-    ParamSpec,
-    checkpoint_tensor_keys,
-    local_state,
-    model_sharded_state_dict,
-    optimizer_sharded_state_dict,
+from cloudckpt.demo.model import GPTConfig, Layout, checkpoint_tensor_keys
+from cloudckpt.demo.report import DemoResult
+from cloudckpt.demo.state import (
+    _check_common,
+    _check_tensors,
+    _expected_tensors,
+    _load_state_dict,
+    _save_state_dict,
 )
-from cloudckpt.demo.train import BETAS, EPS, STATE_NAMES, Tensors, Trainer
+from cloudckpt.demo.train import STATE_NAMES, Trainer
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.launch import run_on_ranks
 from cloudckpt.manifest import MANIFEST_FNAME, Manifest
-from cloudckpt.mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
+from cloudckpt.mapping import ShardedStateDict
 from cloudckpt.serialization import load, save
 from cloudckpt.storage import open_checkpoint
 
@@ -112,144 +109,6 @@ class DemoOptions:
             Layout(self.tp, self.world_size // self.tp, rank),
             Layout(self.load_tp, self.world_size // self.load_tp, rank),
         )
-
-
-@dataclass(frozen=True)
-class DemoResult:
-    """What rank 0 reports. Sizes in bytes, times in seconds.
-
-    Attributes:
-        world_size: ranks that ran.
-        save_layout: e.g. ``"TP=2 x DP=2"``.
-        load_layout: e.g. ``"TP=1 x DP=4"``.
-        num_tensors: tensors in each rank's state dict (model + optimizer), each a shard
-            of a global tensor.
-        num_arrays: global tensors stored in the checkpoint (fused QKV stored as q, k, v).
-        tensor_bytes: bytes of all global tensors (the payload saved and loaded).
-        stored_objects: objects of the checkpoint as ``cloudckpt verify`` counts them:
-            those its manifest lists (every object but manifest.json and metadata.json).
-        stored_bytes: their total size.
-        save_s: wall time of ``save`` (all ranks, barrier to barrier).
-        load_s: wall time of ``load``.
-        first_loss: DP-mean loss of the first step.
-        last_loss: DP-mean loss of the last step.
-        mismatches: differences found after the reload (empty when all match).
-        checkpoint_uri: the checkpoint saved last and reloaded (with ``resume``:
-            ``<run>/iter_%07d``; else the demo's URI).
-        resumed_from: with ``resume``, the checkpoint the run resumed from, or "" when
-            the run had none; None without ``resume``.
-        start_iteration: the iteration training started from.
-    """
-
-    world_size: int
-    save_layout: str
-    load_layout: str
-    num_tensors: int
-    num_arrays: int
-    tensor_bytes: int
-    stored_objects: int
-    stored_bytes: int
-    save_s: float
-    load_s: float
-    first_loss: float
-    last_loss: float
-    mismatches: tuple[str, ...] = ()
-    checkpoint_uri: str = ""
-    resumed_from: str | None = None
-    start_iteration: int = 0
-
-    def summary_lines(self, uri: str) -> list[str]:
-        """Human-readable summary, one line each."""
-        mb = self.tensor_bytes / 1e6
-        resharded = ", after resharding" if self.save_layout != self.load_layout else ""
-        lines = [
-            f"checkpoint:   {redact_uri(uri)}",
-            f"world size:   {_plural(self.world_size, 'rank')} (gloo, CPU)",
-            f"save layout:  {self.save_layout}; load layout: {self.load_layout}",
-            *self._resume_lines(),
-            f"training:     loss {self.first_loss:.4f} -> {self.last_loss:.4f}",
-            f"tensors:      {self.num_tensors} per rank (each rank's state dict holds its shard "
-            "of every model and Adam tensor)",
-            f"              {self.num_arrays} in the checkpoint (whole tensors; the fused QKV "
-            f"stored as q, k, v), {mb:.2f} MB",
-            f"objects:      {self.stored_objects} in the checkpoint, "
-            f"{self.stored_bytes / 1e6:.2f} MB (counted as `cloudckpt verify` does:",
-            "              the manifest's objects, without manifest.json and metadata.json)",
-            f"save:         {self.save_s:.3f} s, {mb / max(self.save_s, 1e-9):.1f} MB/s",
-            f"load:         {self.load_s:.3f} s, {mb / max(self.load_s, 1e-9):.1f} MB/s",
-        ]
-        if self.mismatches:
-            lines.append(f"MISMATCH:     {len(self.mismatches)} differences")
-        else:
-            lines.append(
-                f"result:       all {self.num_tensors} tensors match on every rank "
-                f"(bit for bit{resharded})"
-            )
-        return lines
-
-    def _resume_lines(self) -> list[str]:
-        if self.resumed_from is None:
-            return []
-        if not self.resumed_from:
-            return ["resumed:      no committed checkpoint in the run yet: started at 0"]
-        return [
-            f"resumed:      from {redact_uri(self.resumed_from)} (iteration {self.start_iteration})"
-        ]
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-def cli_command(
-    executable: str | None = None, path: str | None = None, cwd: str | None = None
-) -> str:
-    """How to run ``cloudckpt`` from ``cwd`` with this installation, as a shell word list.
-
-    ``cloudckpt`` when the console script on ``PATH`` is this interpreter's; else that
-    script by path (relative to ``cwd`` when below it, e.g. ``.venv/bin/cloudckpt``);
-    else ``<python> -m cloudckpt``. Arguments default to this process's.
-    """
-    executable = executable or sys.executable
-    cwd = cwd or os.getcwd()
-    script = os.path.join(os.path.dirname(executable), "cloudckpt")
-    if not os.access(script, os.X_OK):
-        return f"{shlex.quote(_shorten(executable, cwd))} -m cloudckpt"
-    on_path = shutil.which("cloudckpt", path=path)
-    if on_path and os.path.realpath(on_path) == os.path.realpath(script):
-        return "cloudckpt"
-    return shlex.quote(_shorten(script, cwd))
-
-
-def _shorten(path: str, cwd: str) -> str:
-    """``path`` relative to ``cwd`` when below it (and ``cwd`` is not ``/``), else as is."""
-    rel = os.path.relpath(path, cwd)
-    return path if rel.startswith("..") or os.path.dirname(cwd) == cwd else rel
-
-
-def next_step_lines(uri: str, command: str | None = None, config: str | None = None) -> list[str]:
-    """The commands that list and check the demo's checkpoint, runnable as printed
-    (``config``: the demo's ``--config`` file, which they need too)."""
-    shown = redact_uri(uri)
-    if shown.startswith("memory://"):
-        return [
-            "next:         memory:// lives only in this process and is gone now; to look at",
-            "              the checkpoint afterwards, pass a path or an s3:// or gs:// --uri",
-        ]
-    command = command or cli_command()
-    run_dir = posixpath.dirname(shown.rstrip("/")) or "."
-    if "://" in shown and "://" not in run_dir:
-        run_dir = shown  # the URI is a bucket root: nothing above it to list
-    options = f" --config {shlex.quote(config)}" if config else ""
-    # relative paths (of the command, a local checkpoint, the config) hold from here
-    words = (shlex.split(command)[0], shown, config or "/")
-    relative = [w for w in words if "://" not in w and w != "cloudckpt"]
-    where = f" (from {os.getcwd()})" if any(not os.path.isabs(w) for w in relative) else ""
-    return [
-        f"next steps{where}:",
-        f"  {command} ls {shlex.quote(run_dir)}{options}",
-        f"  {command} verify {shlex.quote(shown)} --deep{options}",
-    ]
 
 
 # -- parent side ------------------------------------------------------------------------
@@ -436,117 +295,6 @@ def _manifest(options: DemoOptions) -> Manifest:
 def _load(request: ShardedStateDict, options: DemoOptions) -> dict[str, Any]:
     result = load(request, options.uri, config=options.checkpoint)
     return result[0] if isinstance(result, tuple) else result
-
-
-def _common_state(options: DemoOptions) -> dict[str, Any]:
-    return {
-        "iteration": options.steps,
-        "args": {
-            **asdict(options.config),
-            "lr": options.lr,
-            "seed": options.seed,
-            "tp": options.tp,
-        },
-        "param_groups": [{"lr": options.lr, "betas": BETAS, "eps": EPS, "step": options.steps}],
-    }
-
-
-def _save_state_dict(
-    trainer: Trainer, options: DemoOptions, rng_obj: dict[str, Any]
-) -> ShardedStateDict:
-    lay, world = trainer.layout, options.world_size
-    return {
-        "model": model_sharded_state_dict(trainer.params, trainer.specs, lay),
-        "optimizer": {"state": optimizer_sharded_state_dict(trainer.states, trainer.specs, lay)},
-        "rng_state": ShardedObject("rng_state", rng_obj, (world,), (lay.rank,), replica_id=0),
-        "local_cache": LocalNonpersistentObject({"pid": os.getpid()}),
-        **_common_state(options),
-    }
-
-
-def _load_state_dict(
-    specs: Sequence[ParamSpec], layout: Layout, options: DemoOptions
-) -> ShardedStateDict:
-    """The state dict of ``layout``, NaN-filled so a tensor the load misses cannot match."""
-    nans = {s.key: torch.full(s.shape, math.nan) for s in specs}
-    params = {s.key: local_state(nans, s, layout) for s in specs}
-    states = {
-        s.key: {n: local_state(nans, s, layout, flat=True) for n in STATE_NAMES} for s in specs
-    }
-    world, rank = options.world_size, layout.rank
-    return {
-        "model": model_sharded_state_dict(params, specs, layout),
-        "optimizer": {"state": optimizer_sharded_state_dict(states, specs, layout)},
-        "rng_state": ShardedObject("rng_state", None, (world,), (rank,), replica_id=0),
-        "local_cache": LocalNonpersistentObject({"pid": os.getpid()}),
-    }
-
-
-def _expected_tensors(
-    specs: Sequence[ParamSpec], layout: Layout, params: Tensors, states: dict[str, Tensors]
-) -> dict[tuple[str, ...], torch.Tensor]:
-    """What each tensor of the loaded state dict must equal, by its key path."""
-    expected: dict[tuple[str, ...], torch.Tensor] = {}
-    for spec in specs:
-        expected["model", spec.key] = local_state(params, spec, layout)
-        for name in STATE_NAMES:
-            path = ("optimizer", "state", spec.key, name)
-            expected[path] = local_state(states[name], spec, layout, flat=True)
-    return expected
-
-
-def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
-    for part in path:
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree
-
-
-def _check_tensors(
-    rank: int, loaded: dict[str, Any], expected: dict[tuple[str, ...], torch.Tensor]
-) -> list[str]:
-    """Compare every expected tensor bit for bit; one line per difference."""
-    problems = []
-    for path, want in expected.items():
-        got = _lookup(loaded, path)
-        where = f"rank {rank}: {'/'.join(path)}"
-        if not isinstance(got, torch.Tensor):
-            problems.append(f"{where}: expected a tensor, got {type(got).__name__}")
-        elif got.shape != want.shape or got.dtype != want.dtype:
-            problems.append(
-                f"{where}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
-            )
-        elif not torch.equal(got, want):
-            diff = (got - want).abs().nan_to_num(math.inf)
-            count, worst = int((diff != 0).sum()), float(diff.max())
-            problems.append(f"{where}: {count} elements differ (max |diff| {worst:.3g})")
-    return problems
-
-
-def _check_common(
-    options: DemoOptions, loaded: dict[str, Any], rng_obj: dict[str, Any]
-) -> list[str]:
-    """Compare the common state, the ShardedObject and the LocalNonpersistentObject."""
-    where = f"rank {torch_dist.get_rank()}"
-    problems = [
-        f"{where}: common {key!r} is {loaded.get(key)!r}, want {value!r}"
-        for key, value in _common_state(options).items()
-        if loaded.get(key) != value
-    ]
-    got = loaded.get("rng_state")
-    if not (
-        isinstance(got, dict)
-        and got.keys() == rng_obj.keys()
-        and all(
-            torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
-            for k, v in rng_obj.items()
-        )
-    ):
-        problems.append(f"{where}: sharded object 'rng_state' is {got!r}, want {rng_obj!r}")
-    if loaded.get("local_cache") != {"pid": os.getpid()}:
-        problems.append(f"{where}: local object 'local_cache' is {loaded.get('local_cache')!r}")
-    return problems
 
 
 def _all_gather_objects(obj: Any) -> list[Any]:
