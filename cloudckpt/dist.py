@@ -148,6 +148,7 @@ def run_on_coordinator(
     if get_rank(group) == src:
         try:
             outcome = (True, fn())
+            pickle.dumps(outcome)  # fails here, not inside the broadcast the others wait in
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
             outcome = (False, _Report.of(exc))

@@ -247,3 +247,17 @@ def test_rank_pool_timeout_reports_the_other_ranks_traceback():
     assert "ValueError: rank one broke" in message and "Traceback" in message
     assert "did not finish within 2 s" in message
     assert sorted(info.value.failures) == [0, 1]
+
+
+def _unpicklable_result(rank: int, world: int, root: str) -> dict:
+    uri = os.path.join(root, "ckpt")
+    return _outcome(
+        dist.run_on_coordinator, lambda: {"f": lambda: None}, f"sharing a lambda from {uri}"
+    )
+
+
+def test_a_result_that_cannot_be_sent_fails_on_every_rank_instead_of_hanging(
+    rank_pool, tmp_path
+):
+    outcomes = rank_pool.run(_unpicklable_result, str(tmp_path))
+    _assert_all_raised(outcomes, "DistributedCheckpointError", [0], str(tmp_path / "ckpt"))
