@@ -1,19 +1,20 @@
 """A save or load opens its checkpoint once and reads the commit records once.
 
 Every storage a session opens is counted (``cloudckpt.session.open_checkpoint`` is
-wrapped) and its filesystem is wrapped to count the calls that touch the commit files
-(``metadata.json``, ``manifest.json``, the claim). Runs on 4 real ranks: the counts are
-per rank.
+wrapped) and gets a local filesystem that counts its requests (opens, stats, listings)
+on the commit files (``metadata.json``, ``manifest.json``, the claim). Runs on 4 real
+ranks: the counts are per rank.
 """
 
 from __future__ import annotations
 
 import posixpath
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor, StrictHandling, session
@@ -26,37 +27,48 @@ from cloudckpt.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedSt
 from tests.test_multirank import tp_state
 
 COMMIT_FILES = {CONFIG_FNAME, MANIFEST_FNAME, CLAIM_FNAME}
-REQUESTS = {"cat_file", "cat", "info", "exists", "size", "open", "ls", "find", "isfile"}
 
 
-class _CountingFS:
-    """Forwards to a filesystem, counting calls per (method, object name)."""
+class _CountingLocalFS(LocalFileSystem):
+    """A local filesystem that counts the requests (opens, stats, listings) per object
+    name (fsspec's other calls, cat_file or find, go through these)."""
 
-    def __init__(self, fs: Any, counts: Counter) -> None:
-        self._fs, self._counts = fs, counts
+    counts: ClassVar[Counter] = Counter()
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._fs, name)
-        if name not in REQUESTS or not callable(attr):
-            return attr
+    def _count(self, method: str, path: Any) -> None:
+        self.counts[(method, posixpath.basename(str(path).rstrip("/")))] += 1
 
-        def counted(path: Any, *args: Any, **kwargs: Any) -> Any:
-            self._counts[(name, posixpath.basename(str(path).rstrip("/")))] += 1
-            return attr(path, *args, **kwargs)
+    def open(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        self._count("open", path)
+        return super().open(path, *args, **kwargs)
 
-        return counted
+    def info(self, path: Any, **kwargs: Any) -> Any:
+        self._count("info", path)
+        return super().info(path, **kwargs)
+
+    def isfile(self, path: Any) -> bool:
+        self._count("isfile", path)
+        return bool(super().isfile(path))
+
+    def exists(self, path: Any, **kwargs: Any) -> bool:
+        self._count("exists", path)
+        return bool(super().exists(path, **kwargs))
+
+    def ls(self, path: Any, detail: bool = False, **kwargs: Any) -> Any:
+        self._count("ls", path)
+        return super().ls(path, detail=detail, **kwargs)
 
 
 def _count_storages(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    counts: Counter = Counter()
+    """Count the storages sessions open, and the requests of their filesystem."""
+    counts: ClassVar[Counter] = Counter()
     real = session.open_checkpoint
 
-    def counting_open(*args: Any, **kwargs: Any) -> Any:
+    def counting_open(uri: Any, fs: Any = None, *args: Any, **kwargs: Any) -> Any:
         counts["storages"] += 1
-        storage = real(*args, **kwargs)
-        storage.fs = _CountingFS(storage.fs, counts)
-        return storage
+        return real(uri, fs or _CountingLocalFS(skip_instance_cache=True), *args, **kwargs)
 
+    monkeypatch.setattr(_CountingLocalFS, "counts", counts)
     monkeypatch.setattr(session, "open_checkpoint", counting_open)
     return counts
 
