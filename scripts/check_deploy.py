@@ -1,4 +1,4 @@
-"""Parse and validate the deployment files (run by scripts/check-deploy.sh in .venv-deploy).
+"""Parse and validate the deployment files (run by scripts/check-deploy.sh in its cached venv).
 
 * every ``terraform/**/*.tf`` parses with python-hcl2;
 * every Kubernetes manifest validates with kubernetes-validate (strict: unknown fields

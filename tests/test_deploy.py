@@ -1,7 +1,8 @@
 """The deployment files pass their offline static checks (scripts/check-deploy.sh).
 
-The script builds its own venv (.venv-deploy, from constraints-deploy.txt; about two
-minutes the first time, then skipped by its stamp) and runs hadolint, checkov, python-hcl2,
+The script builds its own venv (cached in ~/.cache/cloudckpt-deploy, from
+constraints-deploy.txt; about two minutes the first time, then skipped by its stamp) and
+runs hadolint, checkov, python-hcl2,
 kubernetes-validate and terraform fmt; this test runs it and shows its report on failure.
 """
 
