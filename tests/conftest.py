@@ -8,10 +8,14 @@ processes a test needs:
 * ``multirank``: it uses ``rank_pool`` (tests that launch ranks themselves carry the
   marker in their module);
 * ``compat``: it needs a Megatron-Core environment (``mcore15`` / ``mcore19``).
+
+The terminal summary ends with the time spent in each test file (setup, call and
+teardown of its tests, module fixtures included), to keep the suite's budget in view.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
@@ -22,6 +26,7 @@ pytest_plugins = ["tests.fixtures_object_stores"]
 
 WORLD_SIZE = 4
 MULTIRANK_FIXTURES = {"rank_pool"}
+_FILE_SECONDS: defaultdict[str, float] = defaultdict(float)
 COMPAT_FIXTURES = {"mcore15", "mcore19"}
 
 
@@ -51,3 +56,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.multirank)
         if fixtures & COMPAT_FIXTURES:
             item.add_marker(pytest.mark.compat)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # with pytest-xdist, the controller sees every worker's reports here
+    _FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section(f"time per test file ({total:.0f} s in all, over all workers)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
