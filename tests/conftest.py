@@ -27,6 +27,8 @@ pytest_plugins = ["tests.fixtures_object_stores"]
 WORLD_SIZE = 4
 MULTIRANK_FIXTURES = {"rank_pool"}
 _FILE_SECONDS: defaultdict[str, float] = defaultdict(float)
+_STORE_OUTCOMES: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
+STORE_PROPERTY = "object_store"
 COMPAT_FIXTURES = {"mcore15", "mcore19"}
 
 
@@ -47,6 +49,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     for item in items:
         cases = store_cases_of(item)
+        # reports carry user properties to the xdist controller, for the summary per server
+        item.user_properties += [(STORE_PROPERTY, case) for case in sorted(cases)]
         if cases & set(S3_CASES):
             item.add_marker(pytest.mark.s3)
         if cases & set(GS_CASES):
@@ -61,9 +65,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # with pytest-xdist, the controller sees every worker's reports here
     _FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+    if report.when == "call" or report.outcome != "passed":
+        for name, case in report.user_properties:
+            if name == STORE_PROPERTY:
+                _STORE_OUTCOMES[case][report.outcome] += 1
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _STORE_OUTCOMES:
+        terminalreporter.section("tests per object-store server")
+        for case, outcomes in sorted(_STORE_OUTCOMES.items()):
+            counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
+            terminalreporter.write_line(f"{case:14} {counts}")
     if not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())
