@@ -146,18 +146,19 @@ def _s3_client_defaults(
     options: dict[str, Any], max_in_flight: int, retry: RetryPolicy
 ) -> dict[str, Any]:
     """s3fs options with a connection pool for ``max_in_flight`` requests, the policy's
-    timeout per attempt, and botocore making one attempt per call: cloudckpt retries its
-    own requests (:mod:`cloudckpt.storage.retry`), so botocore's retries would multiply
-    them (s3fs's own loop still retries the calls s3fs makes). Explicit ``config_kwargs``
-    win, ``retries`` included: botocore then retries inside each of cloudckpt's
-    attempts."""
+    timeout per attempt, and botocore's standard retry mode for the calls s3fs makes
+    itself (listings, HEAD, deletes; the mode rewinds request bodies). The requests
+    cloudckpt sends itself make one botocore attempt each and are retried by
+    :mod:`cloudckpt.storage.retry` instead (see :mod:`cloudckpt.storage.s3`), so
+    retries never multiply. Explicit ``config_kwargs`` win."""
     # copies all the way down: botocore rewrites the ``retries`` dict it is given
     config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
     config_kwargs.setdefault("max_pool_connections", max(10, max_in_flight))
     config_kwargs.setdefault("connect_timeout", DATA_CONNECT_TIMEOUT_S)
     config_kwargs.setdefault("read_timeout", retry.attempt_timeout_s)
-    retries = config_kwargs.setdefault("retries", {"total_max_attempts": 1})
+    retries = config_kwargs.setdefault("retries", {})
     retries.setdefault("mode", "standard")
+    retries.setdefault("max_attempts", 5)
     client_kwargs = copy.deepcopy(dict(options.get("client_kwargs") or {}))
     return {
         # other jobs write the same bucket: listings must not come from a cache

@@ -293,7 +293,7 @@ def classify(exc: BaseException) -> Failure | None:
         return Failure.SERVER_ERROR
     if status is not None:
         return None  # any other answer of the store: 4xx
-    if isinstance(exc, TimeoutError):  # botocore's read/connect timeouts are ones too
+    if isinstance(exc, (TimeoutError, *_timeout_errors())):
         return Failure.TIMEOUT
     if isinstance(exc, (ConnectionError, *_transport_errors())):
         return Failure.CONNECTION
@@ -337,6 +337,16 @@ def _status_and_code(exc: BaseException) -> tuple[int | None, str]:
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     code = str(response.get("Error", {}).get("Code", ""))
     return (int(status) if status is not None else None), code
+
+
+@functools.cache
+def _timeout_errors() -> tuple[type[BaseException], ...]:
+    """botocore's timeouts (not built-in ``TimeoutError`` subclasses)."""
+    try:
+        from botocore import exceptions  # type: ignore[import-untyped]  # noqa: PLC0415
+    except ImportError:
+        return ()
+    return (exceptions.ReadTimeoutError, exceptions.ConnectTimeoutError)
 
 
 @functools.cache

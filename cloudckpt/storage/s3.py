@@ -8,6 +8,7 @@ credentials, naming the setting to fix."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import logging
 import weakref
@@ -60,8 +61,9 @@ _checked: weakref.WeakSet[fsspec.AbstractFileSystem] = weakref.WeakSet()
 
 class S3Transport(Transport):
     """Requests through s3fs's botocore client, each retried by cloudckpt's policy
-    (:mod:`cloudckpt.storage.retry`): botocore makes one attempt per call and s3fs's
-    own retry loop is not used, so retries never multiply. A retry sends the same
+    (:mod:`cloudckpt.storage.retry`): botocore makes one attempt per call (a hook ends
+    the call before botocore's retry handler) and s3fs's own retry loop is not used, so
+    retries never multiply. A retry sends the same
     bytes again, straight from memory, with the same CRC-32C."""
 
     multipart = True
@@ -290,13 +292,42 @@ class S3Transport(Transport):
 
 async def _call_once(fs: Any, timeout_s: float, method: str, **kwargs: Any) -> Any:
     """One attempt of an S3 API call, within ``timeout_s`` seconds: straight to the
-    botocore client (one attempt, see :mod:`.location`), not through s3fs's retry loop,
-    which would resend a body without rewinding it. s3fs's ``s3_additional_kwargs``
-    (for example server-side encryption settings) still apply."""
+    botocore client, not through s3fs's retry loop (which would resend a body without
+    rewinding it), and with botocore's own retries switched off for this call only
+    (:func:`_one_botocore_attempt`). s3fs's ``s3_additional_kwargs`` (for example
+    server-side encryption settings) still apply."""
     await fs.set_session()
     client = await fs.get_s3(kwargs.get("Bucket"))
+    client.meta.events.register_first(
+        "needs-retry.s3", _one_botocore_attempt, unique_id=_ONE_ATTEMPT_HOOK
+    )
     call = getattr(client, method)
+    _ONE_ATTEMPT.set(True)  # this task only: s3fs's own calls keep botocore's retries
     return await asyncio.wait_for(call(**fs._get_s3_method_kwargs(call, **kwargs)), timeout_s)
+
+
+_ONE_ATTEMPT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cloudckpt_one_botocore_attempt", default=False
+)
+_ONE_ATTEMPT_HOOK = "cloudckpt-one-botocore-attempt"
+
+
+def _one_botocore_attempt(
+    response: Any = None, caught_exception: BaseException | None = None, **kwargs: Any
+) -> None:
+    """botocore's ``needs-retry`` hook, first in line: for cloudckpt's own calls, end
+    the call after its first attempt with what botocore would raise without retries (the
+    connection error, or the error answer as a ``ClientError``), before botocore's retry
+    handler can schedule another attempt. Other calls go on to botocore's handler."""
+    if not _ONE_ATTEMPT.get():
+        return
+    if caught_exception is not None:
+        raise caught_exception
+    if response is not None and response[0].status_code >= 300:
+        from botocore.exceptions import ClientError  # type: ignore[import-untyped]  # noqa: PLC0415
+
+        operation = kwargs.get("operation")
+        raise ClientError(response[1], getattr(operation, "name", "request"))
 
 
 async def _get_once(
