@@ -6,6 +6,7 @@ multipart aborts are retried."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from cloudckpt.storage import CheckpointStorage, OpenUpload
 from cloudckpt.storage.buffers import crc32c
 from cloudckpt.storage.pool import AdaptiveLimit, process_stats
 from cloudckpt.storage.retry import RequestStats, classify, retry_after
+from cloudckpt.strategies.torch import TorchDistSaveShardedStrategy
 from tests.faultproxy import FaultProxy
 from tests.fixtures_object_stores import S3_CASES, S3Endpoint, bucket_location, server_for
 from tests.test_multirank import check_tp, tp_state
@@ -239,3 +241,24 @@ def test_retry_settings_from_a_config_section() -> None:
         from_dict({"retry": {"attempts": 3}})
     with pytest.raises(ConfigError, match=r"retry\.max_attempts"):
         from_dict({"retry": {"max_attempts": 0}})
+
+
+# -- request-rate scaling: hashed key prefixes for torch_dist data objects ----------------
+
+
+def _save_hashed(rank: int, world: int, uri: str) -> list[str]:
+    config = CheckpointConfig(hashed_key_prefix=2)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+    cloudckpt.save(tp_state(rank, tp=world), uri, sharded_strategy=strategy, config=config)
+    loaded = cloudckpt.load(tp_state(rank, tp=world, empty=True), uri)  # no setting needed
+    check_tp(loaded, rank, world)
+    return sorted(CheckpointStorage(uri).list())
+
+
+def test_hashed_key_prefix_spreads_torch_dist_objects(rank_pool: Any, tmp_path: Any) -> None:
+    uri = str(tmp_path / "hashed")
+    listed = rank_pool.run(_save_hashed, uri)[0]
+    data = [p for p in listed if p.endswith(".distcp")]
+    assert len(data) == 4 and all(re.fullmatch(r"[0-9a-f]{2}/__\d+_\d*\.distcp", p) for p in data)
+    assert len({p.split("/")[0] for p in data}) == 4  # one prefix per rank's object here
+    assert cli_main(["verify", "--deep", uri]) == 0
