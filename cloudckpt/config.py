@@ -40,6 +40,7 @@ import yaml
 
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.redact import redact_options, redact_uri
+from cloudckpt.retry_policy import MAX_HASHED_KEY_PREFIX, RetryPolicy, to_retry_policy
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,16 @@ DEFAULT_CHUNK_SIZE = 256 * MiB
 """Shards larger than this are split into several zarr chunks (objects)."""
 
 _SECTION = "cloudckpt"
-_CONFIG_KEYS = ("uri", "storage_options", "backend", "part_size", "max_in_flight", "chunk_size")
+_CONFIG_KEYS = (
+    "uri",
+    "storage_options",
+    "backend",
+    "part_size",
+    "max_in_flight",
+    "chunk_size",
+    "retry",
+    "hashed_key_prefix",
+)
 _NESTED_OPTION_KEYS = ("client_kwargs", "config_kwargs")
 
 # gcsfs's ``token`` values that name a credential method rather than hold a credential.
@@ -91,6 +101,12 @@ class CheckpointConfig:
         max_in_flight: the most storage requests one process keeps in flight.
         chunk_size: shards larger than this many bytes are split into several objects;
             None disables splitting.
+        retry: how failed storage requests are retried (:class:`RetryPolicy`); a
+            mapping of its fields is accepted too.
+        hashed_key_prefix: torch_dist only: this many hex digits of a hash in front of
+            each data object's name (``<uri>/3f/__0_0.distcp``), spreading one
+            checkpoint's requests over S3 prefixes; 0 (the default) keeps DCP's flat
+            layout. The DCP metadata records the paths, so readers need no setting.
     """
 
     uri: str | None = None
@@ -99,6 +115,8 @@ class CheckpointConfig:
     part_size: int = DEFAULT_PART_SIZE
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    hashed_key_prefix: int = 0
 
     def __post_init__(self) -> None:
         """Validate every field; raise :class:`ConfigError` naming the field and value."""
@@ -110,16 +128,38 @@ class CheckpointConfig:
         _check_int("max_in_flight", self.max_in_flight, 1)
         if self.chunk_size is not None:
             _check_int("chunk_size", self.chunk_size, 1)
+        object.__setattr__(self, "retry", to_retry_policy(self.retry))
+        prefix = self.hashed_key_prefix
+        if (
+            isinstance(prefix, bool)
+            or not isinstance(prefix, int)
+            or not (0 <= prefix <= MAX_HASHED_KEY_PREFIX)
+        ):
+            raise ConfigError(
+                f"hashed_key_prefix must be an integer from 0 (off) to {MAX_HASHED_KEY_PREFIX} "
+                f"hex digits, got {prefix!r}"
+            )
 
     def __repr__(self) -> str:
-        """Show every field, with secrets in the URI and storage options redacted."""
+        """Show every field (retry settings when not the defaults), with secrets in the URI
+        and storage options redacted."""
         uri = None if self.uri is None else redact_uri(self.uri)
         return (
             f"{type(self).__name__}(uri={uri!r}, "
             f"storage_options={redact_options(self.storage_options)!r}, "
             f"backend={self.backend!r}, part_size={self.part_size!r}, "
-            f"max_in_flight={self.max_in_flight!r}, chunk_size={self.chunk_size!r})"
+            f"max_in_flight={self.max_in_flight!r}, chunk_size={self.chunk_size!r}"
+            f"{self._non_default_repr()})"
         )
+
+    def _non_default_repr(self) -> str:
+        """``, retry=..., hashed_key_prefix=...`` for those not at their defaults."""
+        shown = [
+            f", {name}={getattr(self, name)!r}"
+            for name, default in (("retry", RetryPolicy()), ("hashed_key_prefix", 0))
+            if getattr(self, name) != default
+        ]
+        return "".join(shown)
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied (and validated), like :func:`dataclasses.replace`."""
@@ -217,6 +257,8 @@ _CONVERTERS: dict[str, Callable[[Any], object]] = {
     "part_size": parse_size,
     "max_in_flight": _identity,
     "chunk_size": _to_optional_size,
+    "retry": to_retry_policy,
+    "hashed_key_prefix": _identity,
 }
 
 

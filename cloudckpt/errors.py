@@ -161,3 +161,9 @@ def distributed_variant(kind: type[CheckpointingException]) -> type[DistributedC
         namespace = {"__module__": kind.__module__, "__qualname__": kind.__qualname__}
         _VARIANTS[kind] = type(kind.__name__, (DistributedCheckpointError, kind), namespace)
     return _VARIANTS[kind]
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage request (with its retries) or a whole save or load passed its deadline
+    (:class:`cloudckpt.config.RetryPolicy`); the message names the rank, the object's
+    URI and the deadline that passed."""

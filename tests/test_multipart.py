@@ -135,7 +135,7 @@ def test_object_at_part_size_is_one_put(s3_location: tuple[str, dict[str, Any]])
 def test_failed_part_aborts_the_upload_and_names_it(
     s3_server: S3Endpoint, s3_location: tuple[str, dict[str, Any]]
 ) -> None:
-    storage = _storage(s3_location, max_in_flight=2)
+    storage = _storage(s3_location, max_in_flight=2, retry={"max_attempts": 1})
     calls = _observe(storage, fail_part=2)
     data = _payload(4 * PART)
     with pytest.raises(StorageError, match=r"part 2 .* of s3://.*/w/0\.0") as info:
@@ -152,7 +152,7 @@ def test_failed_part_aborts_the_upload_and_names_it(
 def test_failure_skips_queued_requests_and_aborts_every_open_upload(
     s3_server: S3Endpoint, s3_location: tuple[str, dict[str, Any]]
 ) -> None:
-    storage = _storage(s3_location, max_in_flight=1)
+    storage = _storage(s3_location, max_in_flight=1, retry={"max_attempts": 1})
     calls = _observe(storage, fail_part=1)
     items = [(f"t{i}/0", tensor_bytes(_payload(2 * PART, seed=i))) for i in range(3)]
     with pytest.raises(StorageError, match="injected failure of part 1"):

@@ -82,7 +82,7 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         )
         self.uri, self.fs, self.root = self.location.uri, self.location.fs, self.location.root
         self.expected = Expected(dict(expected or {}), verify_checksums, self.child_uri)
-        self.transport = transport_for(self.location, self.pool, self.part_size)
+        self.transport = transport_for(self.location, self.pool, self.part_size, self.config.retry)
 
     def __repr__(self) -> str:
         return f"CheckpointStorage({self.uri!r})"
@@ -166,6 +166,7 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         """
         jobs = [(relpath, as_bytes_view(data)) for relpath, data in items]
         paths = [self.full_path(relpath) for relpath, _ in jobs]
+        before = self.transport.counters.snapshot()
         progress = Progress("wrote", self.uri, sum(v.nbytes for _, v in jobs), len(jobs))
         cancel = threading.Event()
         pending: builtins.list[PendingWrite] = []
@@ -181,6 +182,9 @@ class CheckpointStorage(StorageReads, StorageAdmin):
                 raise
             finally:
                 self._settle(pending, cancel)
+        retried = self.transport.counters.snapshot() - before
+        if retried.retries or retried.gave_up:
+            logger.info("writing %d object(s) to %s: %s", len(jobs), self.uri, retried.summary())
         failed = [item for item in pending if item.errors]
         if failed:
             for item in failed[1:]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from cloudckpt.errors import StorageAccessDeniedError, StorageError
+from cloudckpt.errors import StorageAccessDeniedError, StorageError, StorageTimeoutError
 
 PRECONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict")
 AUTH_ERROR_CODES = (
@@ -51,4 +51,6 @@ def translate(exc: BaseException, message: str) -> StorageError:
     """The StorageError to raise for the I/O error ``exc``, with ``message``."""
     if isinstance(exc, PermissionError) or error_code(exc) in AUTH_ERROR_CODES:
         return StorageAccessDeniedError(message)
+    if isinstance(exc, TimeoutError):  # a deadline of cloudckpt's retries, or a timeout
+        return StorageTimeoutError(message)
     return StorageError(message)

@@ -17,10 +17,11 @@ from fsspec.implementations.local import LocalFileSystem
 from cloudckpt.config import CheckpointConfig, resolve_storage_options
 from cloudckpt.errors import InvalidKeyError, StorageError
 from cloudckpt.redact import redact_uri
+from cloudckpt.retry_policy import RetryPolicy
 
 S3_PROTOCOLS = ("s3", "s3a")
 GCS_PROTOCOLS = ("gs", "gcs")
-DATA_CONNECT_TIMEOUT_S = 10.0  # botocore's default is 60 s, times 5 attempts
+DATA_CONNECT_TIMEOUT_S = 10.0  # botocore's default is 60 s
 
 
 class StoreKind(Enum):
@@ -117,7 +118,7 @@ def _filesystem(
     protocol = protocol or "file"
     options = resolve_storage_options(protocol, storage_options, config)
     if protocol in S3_PROTOCOLS:
-        options = _s3_client_defaults(options, max_in_flight)
+        options = _s3_client_defaults(options, max_in_flight, config.retry)
     elif protocol in GCS_PROTOCOLS:
         options = {"use_listings_cache": False, **options}
     try:
@@ -141,14 +142,20 @@ def _missing_dependency(protocol: str, uri: str, exc: ImportError) -> MissingDep
     )
 
 
-def _s3_client_defaults(options: dict[str, Any], max_in_flight: int) -> dict[str, Any]:
-    """s3fs options with a connection pool for ``max_in_flight`` requests and botocore's
-    standard retry mode (which rewinds request bodies between attempts); explicit
-    ``config_kwargs`` win."""
+def _s3_client_defaults(
+    options: dict[str, Any], max_in_flight: int, retry: RetryPolicy
+) -> dict[str, Any]:
+    """s3fs options with a connection pool for ``max_in_flight`` requests, the policy's
+    timeout per attempt, and botocore's standard retry mode for the calls s3fs makes
+    itself (listings, HEAD, deletes; the mode rewinds request bodies). The requests
+    cloudckpt sends itself make one botocore attempt each and are retried by
+    :mod:`cloudckpt.storage.retry` instead (see :mod:`cloudckpt.storage.s3`), so
+    retries never multiply. Explicit ``config_kwargs`` win."""
     # copies all the way down: botocore rewrites the ``retries`` dict it is given
     config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
     config_kwargs.setdefault("max_pool_connections", max(10, max_in_flight))
     config_kwargs.setdefault("connect_timeout", DATA_CONNECT_TIMEOUT_S)
+    config_kwargs.setdefault("read_timeout", retry.attempt_timeout_s)
     retries = config_kwargs.setdefault("retries", {})
     retries.setdefault("mode", "standard")
     retries.setdefault("max_attempts", 5)

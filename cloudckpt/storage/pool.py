@@ -1,15 +1,26 @@
 """Requests in flight: one pool per process, so ``max_in_flight`` bounds every request
 the process makes (saves, loads, verify, gc, from any thread), and the helpers that run
-many requests at once and stop early on the first failure."""
+many requests at once and stop early on the first failure.
+
+The bound adapts (:class:`AdaptiveLimit`): while the store throttles (503 SlowDown,
+429) the number of requests in flight is halved, at most once per round of requests,
+and it grows back by one per round of successes up to ``max_in_flight`` (AIMD, as TCP
+does with its window), so a throttled save slows down instead of spending its retries.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from cloudckpt.storage.retry import RequestCounters, RequestStats
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -19,17 +30,81 @@ class Cancelled(Exception):
     """A queued request skipped because another request of the same call failed."""
 
 
+class AdaptiveLimit:
+    """At most :attr:`limit` requests in flight, between 1 and ``maximum``: a context
+    manager holding one slot (``with limit as ticket:``).
+
+    :meth:`throttled` halves the limit, once per round: a throttling answer to a
+    request that started before the last decrease (an older ``ticket``) does not lower
+    it again. :meth:`succeeded` raises it by one after ``limit`` successes.
+    """
+
+    def __init__(self, maximum: int) -> None:
+        self.maximum = maximum
+        self.limit = maximum
+        self._in_flight = 0
+        self._round = 0  # bumped by every decrease
+        self._credit = 0  # successes since the last change
+        self._changed = threading.Condition()
+
+    def __enter__(self) -> int:
+        with self._changed:
+            while self._in_flight >= self.limit:
+                self._changed.wait()
+            self._in_flight += 1
+            return self._round
+
+    def __exit__(self, *exc: object) -> None:
+        with self._changed:
+            self._in_flight -= 1
+            self._changed.notify()
+
+    def throttled(self, ticket: int) -> None:
+        """The store throttled a request that held ``ticket``: halve the limit."""
+        with self._changed:
+            if ticket != self._round or self.limit == 1:
+                return
+            before, self.limit = self.limit, max(1, self.limit // 2)
+            self._round += 1
+            self._credit = 0
+        logger.info(
+            "the store is throttling requests: at most %d in flight now (was %d, of %d)",
+            self.limit,
+            before,
+            self.maximum,
+        )
+
+    def succeeded(self) -> None:
+        """A request succeeded: after ``limit`` of them, one more may be in flight."""
+        with self._changed:
+            if self.limit >= self.maximum:
+                return
+            self._credit += 1
+            if self._credit < self.limit:
+                return
+            self._credit = 0
+            self.limit += 1
+            limit = self.limit
+            self._changed.notify()
+        if limit == self.maximum:
+            logger.info("requests in flight back at %d: the store no longer throttles", limit)
+        else:
+            logger.debug("requests in flight raised to %d of %d", limit, self.maximum)
+
+
 class RequestPool:
     """Slots for requests in flight: every request (a whole-object PUT, one part, one
-    ranged GET) holds one while it runs. Use :meth:`for_process` to get the process's
-    pool for a given ``max_in_flight``.
+    ranged GET) holds one of :attr:`slots` while it runs, and lowers the limit while
+    the store throttles. :attr:`counters` counts the process's retried requests. Use
+    :meth:`for_process` to get the process's pool for a given ``max_in_flight``.
     """
 
     def __init__(self, max_in_flight: int) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
-        self.slots = threading.BoundedSemaphore(max_in_flight)
+        self.slots = AdaptiveLimit(max_in_flight)
+        self.counters = RequestCounters()
 
     @classmethod
     def for_process(cls, max_in_flight: int) -> RequestPool:
@@ -63,6 +138,13 @@ class RequestPool:
             if error is not None and not isinstance(error, Cancelled):
                 raise error
         return [f.result() for f in futures]
+
+
+def process_stats() -> RequestStats:
+    """Requests, retries and failures by kind of every pool of this process so far."""
+    with _LOCK:
+        pools = [pool for (pid, _), pool in _POOLS.items() if pid == os.getpid()]
+    return sum((pool.counters.snapshot() for pool in pools), RequestStats())
 
 
 # The process's pools, by (pid, max_in_flight): the one piece of shared state of the

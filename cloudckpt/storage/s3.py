@@ -1,15 +1,19 @@
 """S3 (and S3-compatible stores): uploads straight from tensor memory with a CRC-32C
 per request, create-only writes (``If-None-Match: *``), multipart uploads with
-concurrent parts that are aborted on failure, listings of open uploads, and a first
-request that fails within seconds on an unreachable endpoint or refused credentials,
-naming the setting to fix."""
+concurrent parts that are aborted on failure, ranged GETs into tensor memory, every
+request retried by cloudckpt's policy (:mod:`.retry`), listings of open uploads, and a
+first request that fails within seconds on an unreachable endpoint or refused
+credentials, naming the setting to fix."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import copy
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 import fsspec.asyn
@@ -20,6 +24,7 @@ from cloudckpt.storage.buffers import BufferReader, crc32c, crc32c_base64, plan_
 from cloudckpt.storage.edge import AUTH_ERROR_CODES, error_code, io_errors, translate
 from cloudckpt.storage.location import Location
 from cloudckpt.storage.pool import RequestPool, guarded
+from cloudckpt.storage.retry import Attempt, Retrier
 from cloudckpt.storage.transport import Transport
 from cloudckpt.storage.types import OpenUpload
 
@@ -27,11 +32,16 @@ if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
     from threading import Event
 
+    from cloudckpt.retry_policy import RetryPolicy
     from cloudckpt.storage.buffers import Progress
     from cloudckpt.storage.pool import PendingWrite
 
 logger = logging.getLogger(__name__)
 
+R = TypeVar("R")
+
+NOT_FOUND = ("NoSuchKey", "404", "NotFound")
+NO_SUCH_UPLOAD = ("NoSuchUpload", "404")
 PROBE_CONNECT_TIMEOUT_S = 2.0
 PROBE_READ_TIMEOUT_S = 5.0
 ENDPOINT_SETTINGS = (
@@ -50,22 +60,28 @@ _checked: weakref.WeakSet[fsspec.AbstractFileSystem] = weakref.WeakSet()
 
 
 class S3Transport(Transport):
-    """Requests through s3fs's botocore client; bodies are sent with botocore retries
-    only (s3fs's own retry loop would resend a body without rewinding it)."""
+    """Requests through s3fs's botocore client, each retried by cloudckpt's policy
+    (:mod:`cloudckpt.storage.retry`): botocore makes one attempt per call (a hook ends
+    the call before botocore's retry handler) and s3fs's own retry loop is not used, so
+    retries never multiply. A retry sends the same
+    bytes again, straight from memory, with the same CRC-32C."""
 
     multipart = True
 
-    def __init__(self, location: Location, pool: RequestPool, part_size: int) -> None:
-        super().__init__(location, pool, part_size)
+    def __init__(
+        self, location: Location, pool: RequestPool, part_size: int, retry: RetryPolicy
+    ) -> None:
+        super().__init__(location, pool, part_size, retry)
+        self.retrier = Retrier(retry, pool.slots, (self.counters, pool.counters))
         check_access(location)
 
     def put(self, path: str, view: memoryview, checksum: int, **extra: Any) -> None:
         bucket, key, _ = self.fs.split_path(path)
         self.send(
             "put_object",
+            body=view,
             Bucket=bucket,
             Key=key,
-            Body=BufferReader(view),
             ChecksumCRC32C=crc32c_base64(checksum),
             **extra,
         )
@@ -74,15 +90,58 @@ class S3Transport(Transport):
     def create(self, path: str, view: memoryview, checksum: int) -> None:
         self.put(path, view, checksum, IfNoneMatch="*")
 
-    def send(self, method: str, **kwargs: Any) -> Any:
-        """An S3 call with a request body (botocore retries only), in a request slot."""
-        with self.pool.slots:
-            return fsspec.asyn.sync(self.fs.loop, _send_once, self.fs, method, **kwargs)
+    def send(
+        self, method: str, *, body: memoryview | None = None, cleanup: bool = False, **kwargs: Any
+    ) -> Any:
+        """One S3 call, retried; ``body`` is sent from memory by every attempt."""
+
+        def attempt(attempt: Attempt) -> Any:
+            extra = {} if body is None else {"Body": BufferReader(body)}
+            return fsspec.asyn.sync(
+                self.fs.loop, _call_once, self.fs, attempt.timeout_s, method, **kwargs, **extra
+            )
+
+        return self.retrier.run(attempt, f"{method} {kwargs.get('Key', '')}", cleanup=cleanup)
 
     def call(self, method: str, **kwargs: Any) -> Any:
-        """An S3 call without a body (s3fs retries too), in a request slot."""
-        with self.pool.slots:
-            return self.fs.call_s3(method, **kwargs)
+        """An S3 call without a body, retried (see :meth:`send`)."""
+        return self.send(method, **kwargs)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def fetch(self, path: str, start: int, end: int | None) -> bytes:
+        def attempt(attempt: Attempt) -> bytes:
+            return bytes(self._get(path, attempt, start, end, None))
+
+        return self._read(path, attempt)
+
+    def fetch_into(self, path: str, out: memoryview, start: int) -> int:
+        def attempt(attempt: Attempt) -> int:
+            return int(self._get(path, attempt, start, start + out.nbytes, out))
+
+        return self._read(path, attempt)
+
+    def _get(
+        self, path: str, attempt: Attempt, start: int, end: int | None, out: memoryview | None
+    ) -> bytes | int:
+        bucket, key, version = self.fs.split_path(path)
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if version:
+            kwargs["VersionId"] = version
+        if start or end is not None:
+            kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        result: bytes | int = fsspec.asyn.sync(
+            self.fs.loop, _get_once, self.fs, attempt.timeout_s, out, **kwargs
+        )
+        return result
+
+    def _read(self, path: str, attempt: Callable[[Attempt], R]) -> R:
+        try:
+            return self.retrier.run(attempt, f"GET {path}")
+        except io_errors() as exc:
+            if error_code(exc) in NOT_FOUND:
+                raise FileNotFoundError(f"no such object: {path}") from exc
+            raise
 
     # -- multipart uploads -------------------------------------------------------------
 
@@ -117,22 +176,21 @@ class S3Transport(Transport):
     ) -> dict[str, Any]:
         bucket, key, _ = self.fs.split_path(path)
         part = item.view[start:end]
-        checksum = crc32c_base64(crc32c(part))
+        checksum = crc32c_base64(crc32c(part))  # once: every attempt sends this one
         try:
             response = self.send(
                 "upload_part",
+                body=part,
                 Bucket=bucket,
                 Key=key,
                 UploadId=item.upload_id,
                 PartNumber=number,
-                Body=BufferReader(part),
                 ChecksumCRC32C=checksum,
             )
         except io_errors() as exc:
             raise translate(
                 exc,
-                f"failed to upload part {number} (bytes {start}-{end}) of {self._uri(item)}: "
-                f"{exc}",
+                f"failed to upload part {number} (bytes {start}-{end}) of {self._uri(item)}: {exc}",
             ) from exc
         progress.add(part.nbytes)
         return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
@@ -140,33 +198,71 @@ class S3Transport(Transport):
     def complete_multipart(self, item: PendingWrite, path: str) -> None:
         bucket, key, _ = self.fs.split_path(path)
         parts = [future.result() for future in item.futures]
+
+        def attempt(attempt: Attempt) -> None:
+            try:
+                fsspec.asyn.sync(
+                    self.fs.loop,
+                    _call_once,
+                    self.fs,
+                    attempt.timeout_s,
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=item.upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+            except io_errors() as exc:
+                # an earlier attempt completed it, but its answer was lost
+                if not (attempt.number > 1 and error_code(exc) in NO_SUCH_UPLOAD):
+                    raise
+                if not self._has_object(bucket, key, item.view.nbytes):
+                    raise
+                logger.info("%s: a retried completion found its upload complete", self._uri(item))
+
         try:
-            self.call(
-                "complete_multipart_upload",
-                Bucket=bucket,
-                Key=key,
-                UploadId=item.upload_id,
-                MultipartUpload={"Parts": parts},
-            )
+            self.retrier.run(attempt, f"complete {self._uri(item)}")
         except io_errors() as exc:
             raise translate(
                 exc, f"failed to complete the multipart upload of {self._uri(item)}: {exc}"
             ) from exc
         self.fs.invalidate_cache(path)
 
+    def _has_object(self, bucket: str, key: str, size: int) -> bool:
+        try:
+            head = self.call("head_object", Bucket=bucket, Key=key)
+        except io_errors():
+            return False
+        return bool(head.get("ContentLength") == size)
+
     def abort_multipart(self, item: PendingWrite, path: str) -> None:
         bucket, key, _ = self.fs.split_path(path)
         try:
-            self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=item.upload_id)
+            self._abort(bucket, key, str(item.upload_id))
             logger.info("aborted multipart upload of %s", self._uri(item))
         except io_errors() as exc:  # keep the original error; say what is left
             logger.warning(
-                "could not abort multipart upload %s of %s (a bucket lifecycle rule will "
-                "remove it): %s",
+                "could not abort multipart upload %s of %s (`cloudckpt gc` or a bucket "
+                "lifecycle rule will remove it): %s",
                 item.upload_id,
                 self._uri(item),
                 exc,
             )
+
+    def _abort(self, bucket: str, key: str, upload_id: str) -> None:
+        """Abort an upload, retried; one already gone (an earlier attempt's answer was
+        lost, or another process aborted it) counts as aborted."""
+        try:
+            self.send(
+                "abort_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                cleanup=True,
+            )
+        except io_errors() as exc:
+            if error_code(exc) not in NO_SUCH_UPLOAD:
+                raise
 
     def open_uploads(self) -> list[OpenUpload]:
         bucket, key, _ = self.fs.split_path(self.location.root)
@@ -188,23 +284,72 @@ class S3Transport(Transport):
 
     def abort_upload(self, upload: OpenUpload) -> None:
         bucket, key, _ = self.fs.split_path(self.location.full_path(upload.path))
-        self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id)
+        self._abort(bucket, key, upload.upload_id)
 
     def _uri(self, item: PendingWrite) -> str:
         return self.location.child_uri(item.relpath)
 
 
-async def _send_once(fs: Any, method: str, **kwargs: Any) -> Any:
-    """One S3 API call with a request body, retried only by botocore.
-
-    s3fs's own retry loop (``call_s3``) would send the same body object again without
-    rewinding it; botocore's retries rewind it. s3fs's ``s3_additional_kwargs`` (for
-    example server-side encryption settings) still apply.
-    """
+async def _call_once(fs: Any, timeout_s: float, method: str, **kwargs: Any) -> Any:
+    """One attempt of an S3 API call, within ``timeout_s`` seconds: straight to the
+    botocore client, not through s3fs's retry loop (which would resend a body without
+    rewinding it), and with botocore's own retries switched off for this call only
+    (:func:`_one_botocore_attempt`). s3fs's ``s3_additional_kwargs`` (for example
+    server-side encryption settings) still apply."""
     await fs.set_session()
     client = await fs.get_s3(kwargs.get("Bucket"))
+    client.meta.events.register_first(
+        "needs-retry.s3", _one_botocore_attempt, unique_id=_ONE_ATTEMPT_HOOK
+    )
     call = getattr(client, method)
-    return await call(**fs._get_s3_method_kwargs(call, **kwargs))
+    _ONE_ATTEMPT.set(True)  # this task only: s3fs's own calls keep botocore's retries
+    return await asyncio.wait_for(call(**fs._get_s3_method_kwargs(call, **kwargs)), timeout_s)
+
+
+_ONE_ATTEMPT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cloudckpt_one_botocore_attempt", default=False
+)
+_ONE_ATTEMPT_HOOK = "cloudckpt-one-botocore-attempt"
+
+
+def _one_botocore_attempt(
+    response: Any = None, caught_exception: BaseException | None = None, **kwargs: Any
+) -> None:
+    """botocore's ``needs-retry`` hook, first in line: for cloudckpt's own calls, end
+    the call after its first attempt with what botocore would raise without retries (the
+    connection error, or the error answer as a ``ClientError``), before botocore's retry
+    handler can schedule another attempt. Other calls go on to botocore's handler."""
+    if not _ONE_ATTEMPT.get():
+        return
+    if caught_exception is not None:
+        raise caught_exception
+    if response is not None and response[0].status_code >= 300:
+        from botocore.exceptions import ClientError  # type: ignore[import-untyped]  # noqa: PLC0415
+
+        operation = kwargs.get("operation")
+        raise ClientError(response[1], getattr(operation, "name", "request"))
+
+
+async def _get_once(
+    fs: Any, timeout_s: float, out: memoryview | None, **kwargs: Any
+) -> bytes | int:
+    """One attempt of a GET within ``timeout_s``: the body as bytes, or written into
+    ``out`` (returns the bytes written). A body cut short raises (and is retried)."""
+
+    async def get() -> bytes | int:
+        response = await _call_once(fs, timeout_s, "get_object", **kwargs)
+        body = response["Body"]
+        try:
+            if out is None:
+                return bytes(await body.read())
+            got = 0
+            while got < out.nbytes and (n := await body.readinto(out[got:])):
+                got += int(n)
+            return got
+        finally:
+            body.close()
+
+    return await asyncio.wait_for(get(), timeout_s)
 
 
 def _iso(value: Any) -> str:
@@ -244,7 +389,7 @@ def _probe_options(options: dict[str, Any]) -> dict[str, Any]:
     config_kwargs.update(
         connect_timeout=PROBE_CONNECT_TIMEOUT_S,
         read_timeout=PROBE_READ_TIMEOUT_S,
-        retries={"mode": "standard", "max_attempts": 1},
+        retries={"mode": "standard", "total_max_attempts": 1},
     )
     return {**options, "config_kwargs": config_kwargs, "skip_instance_cache": True}
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import posixpath
 from typing import TYPE_CHECKING
 
+from cloudckpt.retry_policy import RetryPolicy
 from cloudckpt.storage.buffers import plan_parts
 from cloudckpt.storage.location import Location, StoreKind
 from cloudckpt.storage.pool import RequestPool
+from cloudckpt.storage.retry import RequestCounters
 from cloudckpt.storage.types import OpenUpload
 
 if TYPE_CHECKING:
@@ -30,16 +32,26 @@ GCS_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable uploads take chunks in multiple
 class Transport:
     """Any fsspec filesystem: whole-object ``pipe_file`` writes, ``cat_file`` reads.
 
-    Every request holds one slot of the process's :class:`RequestPool`.
+    Every request holds one slot of the process's :class:`RequestPool`. Retries are
+    the filesystem's own (gcsfs retries GCS requests); :attr:`counters` counts those
+    cloudckpt makes itself (S3).
     """
 
     multipart = False  # objects above part_size go up in concurrent parts (S3)
 
-    def __init__(self, location: Location, pool: RequestPool, part_size: int) -> None:
+    def __init__(
+        self,
+        location: Location,
+        pool: RequestPool,
+        part_size: int,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         self.location = location
         self.fs = location.fs
         self.pool = pool
         self.part_size = part_size
+        self.retry = retry or RetryPolicy()
+        self.counters = RequestCounters()
 
     def put(self, path: str, view: memoryview, checksum: int) -> None:
         """Write a whole object, replacing any previous one."""
@@ -134,14 +146,17 @@ class GcsTransport(Transport):
             self.fs.pipe_file(path, view, mode="create", chunksize=view.nbytes + 1)
 
 
-def transport_for(location: Location, pool: RequestPool, part_size: int) -> Transport:
-    """The transport for ``location``'s kind of store."""
+def transport_for(
+    location: Location, pool: RequestPool, part_size: int, retry: RetryPolicy | None = None
+) -> Transport:
+    """The transport for ``location``'s kind of store (S3 requests retried by ``retry``)."""
+    retry = retry or RetryPolicy()
     if location.kind is StoreKind.S3:
         from cloudckpt.storage.s3 import S3Transport  # noqa: PLC0415 - needs s3fs
 
-        return S3Transport(location, pool, part_size)
+        return S3Transport(location, pool, part_size, retry)
     kinds: dict[StoreKind, type[Transport]] = {
         StoreKind.LOCAL: LocalTransport,
         StoreKind.GCS: GcsTransport,
     }
-    return kinds.get(location.kind, Transport)(location, pool, part_size)
+    return kinds.get(location.kind, Transport)(location, pool, part_size, retry)

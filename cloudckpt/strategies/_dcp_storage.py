@@ -13,13 +13,17 @@ objects are uploaded in batches of about ``batch_bytes`` through
 :meth:`CheckpointStorage.write_many` (concurrent requests, multipart uploads, the
 buffers streamed without a further copy); after each batch its buffers are released.
 So about one batch plus one object of serialised bytes is in memory at a time, however
-large the rank's state is.
+large the rank's state is. With ``hashed_key_prefix`` in the config, each data object
+goes below a prefix of that many hex digits of a hash of its name
+(``<uri>/3f/__0_0.distcp``): ``.metadata`` records each item's relative path, so every
+DCP reader finds them.
 ``.metadata`` is written directly by the coordinator (no temporary file and rename):
 the checkpoint becomes visible only with cloudckpt's commit, which follows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
@@ -187,13 +191,22 @@ class CloudStorageWriter(StorageWriter):
                 yield obj, results
                 obj, results = None, []
             if obj is None:
-                obj = _Object(f"{prefix}{count}{DATA_SUFFIX}")
+                obj = _Object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"))
                 count += 1
             offset, length = obj.append(data)
             info = _StorageInfo(obj.path, offset, length)
             results.append(DcpWriteResult(item.index, length, info))
         if obj is not None:
             yield obj, results
+
+    def _object_path(self, name: str) -> str:
+        """``name``, below a hashed prefix when the config asks for one
+        (``hashed_key_prefix`` hex digits: ``3f/__0_0.distcp``), so that one
+        checkpoint's requests spread over many S3 prefixes (partitions)."""
+        digits = self.storage.config.hashed_key_prefix
+        if not digits:
+            return name
+        return f"{hashlib.sha256(name.encode()).hexdigest()[:digits]}/{name}"
 
     def _upload(self, objects: list[_Object]) -> None:
         if objects:
