@@ -14,9 +14,11 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from cloudckpt.logfilter import install as install_log_filter
 from cloudckpt.config import CheckpointConfig, resolve_storage_options
 from cloudckpt.errors import InvalidKeyError, StorageError
-from cloudckpt.redact import redact_uri
+from cloudckpt.redact import redact_uri, remember_secrets
+from cloudckpt.storage.edge import io_errors, translate
 
 S3_PROTOCOLS = ("s3", "s3a")
 GCS_PROTOCOLS = ("gs", "gcs")
@@ -83,10 +85,12 @@ def resolve(
         MissingDependencyError: the URI's store is not installed (names the extra).
         StorageError: fsspec cannot make sense of the URI or the options.
     """
+    install_log_filter()  # no secret in the logs of cloudckpt and the clients it calls
     uri = redact_uri(raw_uri)
     if fs is None:
         fs, root = _filesystem(raw_uri, uri, storage_options, config, max_in_flight)
     else:
+        remember_secrets(getattr(fs, "storage_options", None), raw_uri)
         root = fs._strip_protocol(raw_uri)
     root = root.rstrip("/") if root not in ("/", "") else root
     return Location(fs, root, uri, store_kind(fs))
@@ -120,12 +124,15 @@ def _filesystem(
         options = _s3_client_defaults(options, max_in_flight)
     elif protocol in GCS_PROTOCOLS:
         options = {"use_listings_cache": False, **options}
+    remember_secrets(options, raw_uri)
     try:
         fs, root = fsspec.core.url_to_fs(raw_uri, **options)
     except ImportError as exc:
         raise _missing_dependency(protocol, uri, exc) from exc
     except (ValueError, TypeError) as exc:
-        raise StorageError(f"cannot open {uri}: {exc}") from exc
+        raise translate(exc, f"cannot open {uri}: {exc}") from exc
+    except io_errors() as exc:  # gcsfs checks a raw token online (tokeninfo?access_token=)
+        raise translate(exc, f"cannot open {uri}: {exc}") from exc
     return fs, str(root)
 
 
