@@ -61,7 +61,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.logfilter import install, install_on_handler
-from cloudckpt.redact import redact_text
+from cloudckpt.redact import redact_text, redact_uri
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1  # a checkpoint problem found
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointingException, UsageError, OSError, ValueError) as exc:
         _print_error(args, exc)
         if getattr(args, "json", False):
-            error = redact_text(str(exc))
-            print(dump_json({"uri": _target(args), "ok": False, "error": error}))
+            uri, error = redact_uri(_target(args)), redact_text(str(exc))
+            print(dump_json({"uri": uri, "ok": False, "error": error}))
         return exit_status(exc)
     except KeyboardInterrupt:
         print(f"cloudckpt {args.command}: interrupted", file=sys.stderr)

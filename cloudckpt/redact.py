@@ -161,6 +161,8 @@ _NAMED_VALUE = re.compile(
     rf"(?P<value>{_VALUE})",
     re.IGNORECASE,
 )
+# s3fs takes "s3://KEY:SECRET@bucket/..." for a bucket named "KEY:SECRET@bucket"
+_S3FS_BUCKET = re.compile(r"""(?P<head>['"]Bucket['"]:\s*['"])[^'"@:/]*:[^'"@/]*@""")
 _AUTH_SCHEME = re.compile(r"\b(?P<head>Bearer|Basic)\s+[A-Za-z0-9._~+/\-]{8,}=*", re.IGNORECASE)
 _TOKEN_SHAPES = re.compile(
     r"\b(?:(?P<google>ya29\.|1//)[\w.\-]{8,}"  # Google OAuth access / refresh tokens
@@ -263,6 +265,7 @@ def redact_text(text: str) -> str:
     if pattern is not None:
         text = pattern.sub(_REDACTED, text)
     text = _USERINFO.sub(_userinfo, text)
+    text = _S3FS_BUCKET.sub(rf"\g<head>{_REDACTED}:{_REDACTED}@", text)
     text = _PEM.sub(rf"-----BEGIN\1PRIVATE KEY-----{_REDACTED}-----END\1PRIVATE KEY-----", text)
     text = _QUERY_PARAM.sub(rf"\g<head>={_REDACTED}", text)
     text = _NAMED_VALUE.sub(_named_value, text)

@@ -14,9 +14,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from cloudckpt.logfilter import install as install_log_filter
 from cloudckpt.config import CheckpointConfig, resolve_storage_options
 from cloudckpt.errors import InvalidKeyError, StorageError
+from cloudckpt.logfilter import install as install_log_filter
 from cloudckpt.redact import redact_uri, remember_secrets
 from cloudckpt.storage.edge import io_errors, translate
 
