@@ -140,7 +140,7 @@ _SECRET_NAME = (
     r"|private[_-]?key(?:[_-]?id)?|access[_-]?key(?:[_-]?id)?|secret[_-]?key|api[_-]?key"
     r"|google[_-]?access[_-]?id|session[_-]?key)"
 )
-_NAME = rf"[\w.\-]*{_SECRET_NAME}"
+_NAME = rf"[\w.\-]*{_SECRET_NAME}"  # a name ending in a secret word
 # a value: quoted (Python bytes / str repr or JSON, escapes included) or bare
 _VALUE = r"""b?'(?:[^'\\\n]|\\.)*'|b?"(?:[^"\\\n]|\\.)*"|[^\s'",;&)\]}>]+"""
 _PEM = re.compile(
@@ -156,9 +156,10 @@ _QUERY_PARAM = re.compile(
     rf"(?P<head>[?&;](?:{_NAME}|[\w.\-]*(?:key|sig)))=(?P<value>[^&\s'\"<>#]+)",
     re.IGNORECASE,
 )
+# matched from the secret word on (the name's start does not matter): a closing quote or
+# the separator right after it means the name ends there
 _NAMED_VALUE = re.compile(
-    rf"(?P<head>(?P<quote>['\"]?)(?<![\w.\-]){_NAME}(?P=quote)\s*(?P<sep>[:=])\s*)"
-    rf"(?P<value>{_VALUE})",
+    rf"(?P<head>{_SECRET_NAME}['\"]?\s*(?P<sep>[:=])\s*)(?P<value>{_VALUE})",
     re.IGNORECASE,
 )
 # s3fs takes "s3://KEY:SECRET@bucket/..." for a bucket named "KEY:SECRET@bucket"
@@ -171,6 +172,10 @@ _TOKEN_SHAPES = re.compile(
 )
 
 
+_NAME_HINTS = ("secret", "passw", "token", "signature", "credential", "authoriz", "key", "access")
+_TOKEN_HINTS = ("ya29.", "1//", "AKIA", "ASIA", "ABIA", "ACCA", "FwoGZXIvYXdz", "IQoJb3JpZ2lu")
+
+
 def _userinfo(match: re.Match[str]) -> str:
     scheme = match["scheme"]
     user = match["user"]
@@ -181,13 +186,13 @@ def _userinfo(match: re.Match[str]) -> str:
 
 def _named_value(match: re.Match[str]) -> str:
     value = match["value"]
-    bare = value.lstrip("b").strip("'\"")
+    prefix = "b" if value[:2] in ("b'", 'b"') else ""
+    quoted = value[len(prefix)] in "'\""
+    bare = value[len(prefix) + 1 : -1] if quoted else value
     if bare in _PUBLIC_TOKENS or bare in _NOT_SECRETS:
         return match[0]
-    if value[0] in "'\"" or (value[0] == "b" and value[1:2] in ("'", '"')):
-        quote_char = value[-1]
-        prefix = "b" if value[0] == "b" else ""
-        return f"{match['head']}{prefix}{quote_char}{_REDACTED}{quote_char}"
+    if quoted:
+        return f"{match['head']}{prefix}{value[-1]}{_REDACTED}{value[-1]}"
     if match["sep"] == ":" and len(value) < _MIN_BARE_AFTER_COLON:
         return match[0]  # prose ("ExpiredToken: An error occurred ..."), not a header
     return f"{match['head']}{_REDACTED}"
@@ -264,13 +269,23 @@ def redact_text(text: str) -> str:
     pattern = _remembered_pattern(values)
     if pattern is not None:
         text = pattern.sub(_REDACTED, text)
-    text = _USERINFO.sub(_userinfo, text)
-    text = _S3FS_BUCKET.sub(rf"\g<head>{_REDACTED}:{_REDACTED}@", text)
-    text = _PEM.sub(rf"-----BEGIN\1PRIVATE KEY-----{_REDACTED}-----END\1PRIVATE KEY-----", text)
-    text = _QUERY_PARAM.sub(rf"\g<head>={_REDACTED}", text)
-    text = _NAMED_VALUE.sub(_named_value, text)
-    text = _AUTH_SCHEME.sub(rf"\g<head> {_REDACTED}", text)
-    return _TOKEN_SHAPES.sub(_token_shape, text)
+    # each pattern runs only when a substring it needs is there: DEBUG logs are many
+    lowered = text.lower()
+    if "@" in text and "://" in text:
+        text = _USERINFO.sub(_userinfo, text)
+    if "bucket" in lowered:
+        text = _S3FS_BUCKET.sub(rf"\g<head>{_REDACTED}:{_REDACTED}@", text)
+    if "private" in lowered:
+        text = _PEM.sub(rf"-----BEGIN\1PRIVATE KEY-----{_REDACTED}-----END\1PRIVATE KEY-----", text)
+    if "=" in text:
+        text = _QUERY_PARAM.sub(rf"\g<head>={_REDACTED}", text)
+    if any(word in lowered for word in _NAME_HINTS):
+        text = _NAMED_VALUE.sub(_named_value, text)
+    if "bearer" in lowered or "basic" in lowered:
+        text = _AUTH_SCHEME.sub(rf"\g<head> {_REDACTED}", text)
+    if any(hint in text for hint in _TOKEN_HINTS):
+        text = _TOKEN_SHAPES.sub(_token_shape, text)
+    return text
 
 
 # -- secrets in exceptions --------------------------------------------------------------

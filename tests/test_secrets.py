@@ -156,7 +156,9 @@ def test_s3_api_at_debug_shows_no_secret(
     assert [a.uri for a in gc.actions] == [f"{run}/iter_1"]
     config = CheckpointConfig(uri=f"s3://AKIDEXAMPLE:{INLINE_SECRET}@b/r", storage_options=options)
     storage = CheckpointStorage(f"{run}/iter_2", storage_options=options)
-    texts += [repr(x) for x in (loaded, common, report, infos, gc, config, storage)]
+    inline = CheckpointStorage(f"s3://{server.key}:{INLINE_SECRET}@b/r", storage_options=options)
+    reprs = (loaded, common, report, infos, gc, config, storage, inline, inline.location)
+    texts += [repr(x) for x in reprs]
     texts += [json.dumps(report.to_dict()), json.dumps(gc.to_dict())]
 
     failures = {

@@ -17,7 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from cloudckpt.config import CheckpointConfig, resolve_storage_options
 from cloudckpt.errors import InvalidKeyError, StorageError
 from cloudckpt.logfilter import install as install_log_filter
-from cloudckpt.redact import redact_uri, remember_secrets
+from cloudckpt.redact import redact_text, redact_uri, remember_secrets
 from cloudckpt.storage.edge import io_errors, translate
 
 S3_PROTOCOLS = ("s3", "s3a")
@@ -61,6 +61,9 @@ class Location:
     root: str
     uri: str
     kind: StoreKind
+
+    def __repr__(self) -> str:  # the root may hold credentials (s3fs: "KEY:SECRET@bucket/...")
+        return f"Location(uri={self.uri!r}, root={redact_text(self.root)!r}, kind={self.kind})"
 
     def full_path(self, relpath: str) -> str:
         """Filesystem path of ``relpath`` (validated) below the root."""
