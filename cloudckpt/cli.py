@@ -60,7 +60,8 @@ from cloudckpt.errors import (
     CorruptObjectError,
     StorageError,
 )
-from cloudckpt.redact import redact_uri
+from cloudckpt.logfilter import install, install_on_handler
+from cloudckpt.redact import redact_text, redact_uri
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1  # a checkpoint problem found
@@ -100,7 +101,7 @@ def _target(args: argparse.Namespace) -> str:
 
 
 def _print_error(args: argparse.Namespace, exc: BaseException) -> None:
-    print(f"cloudckpt {args.command}: error: {redact_uri(str(exc))}", file=sys.stderr)
+    print(f"cloudckpt {args.command}: error: {redact_text(str(exc))}", file=sys.stderr)
 
 
 # -- ls --------------------------------------------------------------------------------------
@@ -223,6 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging(verbose: int) -> None:
+    """Log to stderr at WARNING, INFO (-v) or DEBUG (-vv), secrets redacted from every
+    logger's records (a filter on the handler) and, should the user's own logging
+    configuration win, from those of cloudckpt and its clients (:mod:`cloudckpt.logfilter`)."""
+    install()
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+    handler = install_on_handler(logging.StreamHandler())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``cloudckpt`` command line.
 
@@ -236,15 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.verbose)
     handler: Handler = args.handler
     try:
         return handler(args)
     except (CheckpointingException, UsageError, OSError, ValueError) as exc:
         _print_error(args, exc)
         if getattr(args, "json", False):
-            print(dump_json({"uri": _target(args), "ok": False, "error": str(exc)}))
+            uri, error = redact_uri(_target(args)), redact_text(str(exc))
+            print(dump_json({"uri": uri, "ok": False, "error": error}))
         return exit_status(exc)
     except KeyboardInterrupt:
         print(f"cloudckpt {args.command}: interrupted", file=sys.stderr)

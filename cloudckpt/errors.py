@@ -9,9 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from cloudckpt.redact import redact_text
+
 
 class CheckpointingException(Exception):
-    """Base class of every error raised by cloudckpt."""
+    """Base class of every error raised by cloudckpt.
+
+    Its string arguments go through :func:`cloudckpt.redact.redact_text`: whatever a
+    message quotes (a client's error text, a URI), it shows no secret.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact_text(a) if isinstance(a, str) else a for a in args))
 
 
 class ShardingValidationError(CheckpointingException, ValueError):

@@ -1,13 +1,17 @@
 """The error contract at the I/O edge: only I/O errors are caught, and each becomes a
 :class:`~cloudckpt.errors.StorageError` that keeps its built-in kind (refused
 credentials stay a ``PermissionError``); anything else (a ``TypeError``: a bug)
-propagates unchanged."""
+propagates unchanged. No secret crosses the edge: the message is redacted, and so is
+the client's error, which the StorageError keeps as its cause (google-auth's and
+requests' errors embed URLs with ``access_token=...``, botocore's a bucket name with
+inline credentials, aiohttp's the request's URL and headers)."""
 
 from __future__ import annotations
 
 import functools
 
 from cloudckpt.errors import StorageAccessDeniedError, StorageError, StorageTimeoutError
+from cloudckpt.redact import redact_text, scrub_exception
 
 PRECONDITION_FAILED = ("PreconditionFailed", "412", "ConditionalRequestConflict")
 AUTH_ERROR_CODES = (
@@ -48,7 +52,13 @@ def error_code(exc: BaseException) -> str:
 
 
 def translate(exc: BaseException, message: str) -> StorageError:
-    """The StorageError to raise for the I/O error ``exc``, with ``message``."""
+    """The StorageError to raise for the I/O error ``exc``, with ``message`` (redacted).
+
+    ``exc`` and the errors it chains to are scrubbed of secrets in place
+    (:func:`~cloudckpt.redact.scrub_exception`): the caller raises the result ``from exc``.
+    """
+    scrub_exception(exc)
+    message = redact_text(message)
     if isinstance(exc, PermissionError) or error_code(exc) in AUTH_ERROR_CODES:
         return StorageAccessDeniedError(message)
     if isinstance(exc, TimeoutError):  # a deadline of cloudckpt's retries, or a timeout

@@ -16,8 +16,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 from cloudckpt.config import CheckpointConfig, resolve_storage_options
 from cloudckpt.errors import InvalidKeyError, StorageError
-from cloudckpt.redact import redact_uri
+from cloudckpt.logfilter import install as install_log_filter
+from cloudckpt.redact import redact_text, redact_uri, remember_secrets
 from cloudckpt.retry_policy import RetryPolicy
+from cloudckpt.storage.edge import io_errors, translate
 
 S3_PROTOCOLS = ("s3", "s3a")
 GCS_PROTOCOLS = ("gs", "gcs")
@@ -61,6 +63,9 @@ class Location:
     uri: str
     kind: StoreKind
 
+    def __repr__(self) -> str:  # the root may hold credentials (s3fs: "KEY:SECRET@bucket/...")
+        return f"Location(uri={self.uri!r}, root={redact_text(self.root)!r}, kind={self.kind})"
+
     def full_path(self, relpath: str) -> str:
         """Filesystem path of ``relpath`` (validated) below the root."""
         validate_relpath(relpath, self.uri)
@@ -84,10 +89,12 @@ def resolve(
         MissingDependencyError: the URI's store is not installed (names the extra).
         StorageError: fsspec cannot make sense of the URI or the options.
     """
+    install_log_filter()  # no secret in the logs of cloudckpt and the clients it calls
     uri = redact_uri(raw_uri)
     if fs is None:
         fs, root = _filesystem(raw_uri, uri, storage_options, config, max_in_flight)
     else:
+        remember_secrets(getattr(fs, "storage_options", None), raw_uri)
         root = fs._strip_protocol(raw_uri)
     root = root.rstrip("/") if root not in ("/", "") else root
     return Location(fs, root, uri, store_kind(fs))
@@ -121,12 +128,15 @@ def _filesystem(
         options = _s3_client_defaults(options, max_in_flight, config.retry)
     elif protocol in GCS_PROTOCOLS:
         options = {"use_listings_cache": False, **options}
+    remember_secrets(options, raw_uri)
     try:
         fs, root = fsspec.core.url_to_fs(raw_uri, **options)
     except ImportError as exc:
         raise _missing_dependency(protocol, uri, exc) from exc
     except (ValueError, TypeError) as exc:
-        raise StorageError(f"cannot open {uri}: {exc}") from exc
+        raise translate(exc, f"cannot open {uri}: {exc}") from exc
+    except io_errors() as exc:  # gcsfs checks a raw token online (tokeninfo?access_token=)
+        raise translate(exc, f"cannot open {uri}: {exc}") from exc
     return fs, str(root)
 
 
