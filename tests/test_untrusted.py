@@ -19,6 +19,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import types
 import uuid
 import warnings
 from argparse import Namespace
@@ -206,6 +207,27 @@ def test_allow_listed_training_state_round_trips_restricted(tmp_path: Path) -> N
     assert np.array_equal(state["np_array"], common["np_array"])
     assert state["np_rng"][0] == rng[0] and np.array_equal(state["np_rng"][1], rng[1])
     assert state["device"] == common["device"] and state["size"] == common["size"]
+
+
+def test_an_enum_is_allowed_only_when_its_module_is_already_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is imported to resolve a global: an enum whose module is not loaded is
+    refused, the same enum loads once its module is."""
+    module = types.ModuleType("cloudckpt_test_enums")
+    module.Phase = enum.Enum("Phase", {"WARMUP": 1}, module=module.__name__)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    uri = str(tmp_path / "ckpt")
+    _save(uri, "zarr", phase=module.Phase.WARMUP)
+
+    monkeypatch.delitem(sys.modules, module.__name__)
+    with pytest.raises(UnsafePickleError) as refused:
+        cloudckpt.load_common_state_dict(uri)
+    assert refused.value.forbidden == "cloudckpt_test_enums.Phase"
+    assert module.__name__ not in sys.modules
+
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert cloudckpt.load_common_state_dict(uri)["phase"] is module.Phase.WARMUP
 
 
 def test_add_safe_globals_lets_a_custom_class_through(tmp_path: Path) -> None:
