@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import enum
 import io
+import json
 import os
 import pickle
 import shlex
@@ -42,9 +43,9 @@ from cloudckpt.errors import CheckpointingException, UnsafePickleError
 from cloudckpt.launch import RankPool
 from cloudckpt.safe_pickle import TRUST_ENV, allowed_globals
 from cloudckpt.storage import CheckpointStorage
-from cloudckpt.strategies._dcp_storage import CloudStorageReader, read_metadata
+from cloudckpt.strategies._dcp_storage import CloudStorageReader, CloudStorageWriter, read_metadata
 from cloudckpt.strategies.common import TorchCommonLoadStrategy
-from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy
+from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy, dcp_save
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ["zarr", "torch_dist"]
@@ -292,6 +293,25 @@ def test_torch_dist_strategy_weights_only_argument(tmp_path: Path) -> None:
     assert not marker.exists()
     trusting = TorchDistLoadShardedStrategy(weights_only=False)
     assert cloudckpt.load(_object_request(), uri, sharded_strategy=trusting)["obj"] == 0
+    assert marker.exists()
+
+
+def test_malicious_common_state_item_of_a_megatron_019_checkpoint(tmp_path: Path) -> None:
+    """Megatron-Core 0.19 keeps the common state as the DCP item ``common_state/shard_0_1``."""
+    uri, marker = str(tmp_path / "ckpt"), tmp_path / "pwned"
+    storage = CheckpointStorage(uri)
+    common = io.BytesIO()
+    torch.save([{"iteration": 9, "evil": Evil(marker)}], common)
+    state = {"w": torch.arange(4.0), "common_state/shard_0_1": common}
+    dcp_save(state, CloudStorageWriter(storage))
+    metadata_json = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+    storage.write("metadata.json", json.dumps(metadata_json).encode())
+    with pytest.raises(UnsafePickleError) as refused:
+        cloudckpt.load_common_state_dict(uri)
+    _check_refusal(refused.value, uri, "common state")
+    assert "(item 'common_state/shard_0_1')" in str(refused.value)
+    assert not marker.exists()
+    assert cloudckpt.load_common_state_dict(uri, weights_only=False)["iteration"] == 9
     assert marker.exists()
 
 

@@ -277,7 +277,10 @@ class DcpCheckpoint:
         raws = self.storage.read_many(requests)
         return {
             key: load_object_item(
-                raw, f"{self.storage.child_uri(request.path)} (item {key!r})", self.weights_only
+                raw,
+                f"{self.storage.child_uri(request.path)} (item {key!r})",
+                self.weights_only,
+                "common state" if is_common_state_item(key) else "sharded object",
             )
             for key, request, raw in zip(keys, requests, raws, strict=True)
         }

@@ -308,11 +308,13 @@ def load_tensor_item(raw: bytes, where: str) -> torch.Tensor:
     return tensor
 
 
-def load_object_item(raw: bytes, where: str, weights_only: bool | None = None) -> Any:
+def load_object_item(
+    raw: bytes, where: str, weights_only: bool | None = None, what: str = "sharded object"
+) -> Any:
     """Decode a bytes item as Megatron-Core writes it, ``torch.save([data])``: the
     one-element list is unwrapped (a ``BytesIO`` inside is decoded too). Restricted
-    unless trusted (:func:`cloudckpt.safe_pickle.load_torch_pickle`)."""
-    what = "sharded object"
+    unless trusted (:func:`cloudckpt.safe_pickle.load_torch_pickle`); ``where`` and
+    ``what`` name the item in an error."""
     value = load_torch_pickle(raw, where, what, weights_only)
     if isinstance(value, io.BytesIO):
         value = load_torch_pickle(value.getvalue(), where, what, weights_only)
@@ -325,7 +327,11 @@ class CloudStorageReader(StorageReader):
     """DCP storage reader over cloudckpt's storage layer (any fsspec URI).
 
     For ``torch.distributed.checkpoint.load(state_dict, storage_reader=...)``: reads
-    the items of the plan with concurrent ranged reads.
+    the items of the plan with concurrent ranged reads. ``.metadata`` is unpickled
+    restricted (:func:`read_metadata`); bytes items go to the planner as they are, and
+    DCP's ``DefaultLoadPlanner`` unpickles them with ``torch.load(weights_only=False)``:
+    with an untrusted checkpoint, pass a planner that does not (cloudckpt's own loads
+    do not use this reader for objects).
     """
 
     def __init__(self, storage: CheckpointStorage) -> None:
