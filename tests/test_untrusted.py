@@ -173,6 +173,35 @@ def test_opt_outs_load_a_trusted_checkpoint(
         cloudckpt.load_common_state_dict(uri, weights_only=True)
 
 
+def test_concurrent_loads_keep_their_own_setting(tmp_path: Path) -> None:
+    """``weights_only`` is per call (a context variable): a trusting load in one thread
+    never widens a restricted load running at the same time in another."""
+    uri = str(tmp_path / "ckpt")
+    _save(uri, "zarr", custom=Opaque(3))
+    rounds, barrier = 8, threading.Barrier(2)
+    outcomes: dict[str, list[str]] = {"trusting": [], "default": []}
+
+    def run(name: str, weights_only: bool | None) -> None:
+        for _ in range(rounds):
+            barrier.wait()
+            try:
+                state = cloudckpt.load_common_state_dict(uri, weights_only=weights_only)
+                outcomes[name].append(f"loaded {state['custom'].value}")
+            except UnsafePickleError as exc:
+                outcomes[name].append(f"refused {exc.forbidden}")
+
+    threads = [
+        threading.Thread(target=run, args=("trusting", False)),
+        threading.Thread(target=run, args=("default", None)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes["trusting"] == ["loaded 3"] * rounds
+    assert outcomes["default"] == ["refused tests.test_untrusted.Opaque"] * rounds
+
+
 def test_allow_listed_training_state_round_trips_restricted(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     rng = np.random.RandomState(5).get_state()
