@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         StorageUnreachableError,
         UncommittedCheckpointError,
         UnexpectedKeysError,
+        UnsafePickleError,
     )
     from cloudckpt.mapping import (
         LocalNonpersistentObject,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
         apply_factory_merges,
         is_main_replica,
     )
+    from cloudckpt.safe_pickle import add_safe_globals
     from cloudckpt.serialization import (
         check_is_distributed_checkpoint,
         load,
@@ -85,6 +87,7 @@ _LAZY: dict[str, str] = {
             "StorageUnreachableError",
             "UncommittedCheckpointError",
             "UnexpectedKeysError",
+            "UnsafePickleError",
         ),
         "cloudckpt.errors",
     ),
@@ -100,6 +103,7 @@ _LAZY: dict[str, str] = {
         ),
         "cloudckpt.mapping",
     ),
+    "add_safe_globals": "cloudckpt.safe_pickle",
     **dict.fromkeys(
         (
             "check_is_distributed_checkpoint",
@@ -159,7 +163,9 @@ __all__ = [
     "StrictHandling",
     "UncommittedCheckpointError",
     "UnexpectedKeysError",
+    "UnsafePickleError",
     "__version__",
+    "add_safe_globals",
     "apply_factories",
     "apply_factory_merges",
     "check_is_distributed_checkpoint",

@@ -22,6 +22,7 @@ from cloudckpt.config import CheckpointConfig
 from cloudckpt.load_session import LoadSession, load_checkpoint
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict
 from cloudckpt.redact import redact_uri
+from cloudckpt.safe_pickle import weights_only_scope
 from cloudckpt.session import SaveSession, open_storage
 from cloudckpt.strategies.base import (
     LoadCommonStrategy,
@@ -107,6 +108,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     verify_checksums: bool = False,
+    weights_only: bool | None = None,
 ) -> LoadResult:
     """Load a checkpoint into the layout ``sharded_state_dict`` describes. Collective.
 
@@ -125,6 +127,11 @@ def load(
         verify_checksums: check the CRC-32C of every object a read touches, reading
             partly needed objects whole. Without it, objects read whole are still checked
             against the manifest's CRC-32C, and every read against its size.
+        weights_only: unpickle ``common.pt``, ShardedObjects and DCP ``.metadata``
+            restricted to the allow-list (True), without restriction (False: for
+            checkpoints you trust only, as Megatron-Core loads), or restricted unless
+            ``CLOUDCKPT_TRUST_PICKLES=1`` (None, the default); a strategy's own
+            ``weights_only`` wins. See :mod:`cloudckpt.safe_pickle`.
 
     Returns:
         The loaded state dict (common state merged with the loaded shards), or with a
@@ -138,32 +145,36 @@ def load(
             missing metadata.json or manifest.json).
         CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
         MissingKeysError / UnexpectedKeysError: per ``strict``.
+        UnsafePickleError: a pickle needs a global outside the allow-list (names it).
     """
     uri = checkpoint_uri(checkpoint_dir)
-    state, missing, unexpected = load_checkpoint(
-        uri,
-        sharded_state_dict,
-        strict,
-        validate_access_integrity,
-        lambda: LoadSession.open(
+    with weights_only_scope(weights_only):
+        state, missing, unexpected = load_checkpoint(
             uri,
-            sharded_strategy,
-            common_strategy,
-            storage_options=storage_options,
-            config=config,
-            verify_checksums=verify_checksums,
-        ),
-    )
+            sharded_state_dict,
+            strict,
+            validate_access_integrity,
+            lambda: LoadSession.open(
+                uri,
+                sharded_strategy,
+                common_strategy,
+                storage_options=storage_options,
+                config=config,
+                verify_checksums=verify_checksums,
+            ),
+        )
     if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
         return state, missing, unexpected
     return state
 
 
-def _run(fn: Callable[[], _T], what: str, collective: bool) -> _T:
-    """``fn()`` on this rank, or (collective) on rank 0 with the outcome on every rank."""
-    if collective:
-        return dist.run_on_coordinator(fn, what)
-    return fn()
+def _run(fn: Callable[[], _T], what: str, collective: bool, weights_only: bool | None) -> _T:
+    """``fn()`` on this rank, or (collective) on rank 0 with the outcome on every rank,
+    with pickles loaded as ``weights_only`` says."""
+    with weights_only_scope(weights_only):
+        if collective:
+            return dist.run_on_coordinator(fn, what)
+        return fn()
 
 
 def _session(
@@ -185,20 +196,25 @@ def load_common_state_dict(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     collective: bool = False,
+    weights_only: bool | None = None,
 ) -> StateDict:
     """Load only the common (non-sharded) state of a checkpoint.
 
     Args:
         checkpoint_dir: the checkpoint URI or local path.
-        storage_options / config: as for :func:`load`.
+        storage_options / config / weights_only: as for :func:`load`.
         collective: call on every rank: rank 0 does the I/O and sends the outcome to
             all, so its failure is raised on every rank (default: this rank alone).
+
+    Raises:
+        UnsafePickleError: ``common.pt`` needs a global outside the allow-list.
     """
     uri = checkpoint_uri(checkpoint_dir)
     return _run(
         lambda: _session(uri, storage_options=storage_options, config=config).common_state(),
         f"loading the common state of {redact_uri(uri)!r}",
         collective,
+        weights_only,
     )
 
 
@@ -209,13 +225,15 @@ def load_tensors_metadata(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     collective: bool = False,
+    weights_only: bool | None = None,
 ) -> ShardedStateDict:
     """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data).
 
     Args:
         checkpoint_dir: the checkpoint URI or local path.
         sharded_strategy: overrides the strategy chosen from the checkpoint's metadata.
-        storage_options / config: as for :func:`load`.
+        storage_options / config / weights_only: as for :func:`load` (``weights_only``
+            governs a torch_dist checkpoint's ``.metadata``).
         collective: call on every rank: rank 0 does the I/O and sends the outcome to
             all, so its failure is raised on every rank (default: this rank alone).
     """
@@ -226,6 +244,7 @@ def load_tensors_metadata(
         ).tensors_metadata(),
         f"reading the tensors of {redact_uri(uri)!r}",
         collective,
+        weights_only,
     )
 
 
@@ -237,6 +256,7 @@ def load_sharded_metadata(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     collective: bool = False,
+    weights_only: bool | None = None,
 ) -> ShardedStateDict:
     """Metadata (no data) of every stored ShardedTensor and ShardedObject.
 
@@ -246,7 +266,7 @@ def load_sharded_metadata(
         checkpoint_dir: the checkpoint URI or local path.
         sharded_strategy / common_strategy: override the strategies chosen from the
             checkpoint's metadata.
-        storage_options / config: as for :func:`load`.
+        storage_options / config / weights_only: as for :func:`load`.
         collective: call on every rank: rank 0 does the I/O and sends the outcome to
             all, so its failure is raised on every rank (default: this rank alone).
     """
@@ -257,6 +277,7 @@ def load_sharded_metadata(
         ).sharded_metadata(),
         f"reading the metadata of {redact_uri(uri)!r}",
         collective,
+        weights_only,
     )
 
 
@@ -265,10 +286,14 @@ def load_plain_tensors(
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
+    weights_only: bool | None = None,
 ) -> StateDict:
-    """Load every stored tensor whole (plus the common state), without a sharding spec."""
+    """Load every stored tensor whole (plus the common state), without a sharding spec.
+
+    ``storage_options`` / ``config`` / ``weights_only``: as for :func:`load`.
+    """
     metadata = load_tensors_metadata(
-        checkpoint_dir, storage_options=storage_options, config=config
+        checkpoint_dir, storage_options=storage_options, config=config, weights_only=weights_only
     )
     for sh in metadata.values():
         if isinstance(sh, ShardedTensor):
@@ -279,6 +304,7 @@ def load_plain_tensors(
         validate_access_integrity=False,  # type: ignore[return-value]
         storage_options=storage_options,
         config=config,
+        weights_only=weights_only,
     )
 
 
@@ -306,6 +332,7 @@ def remove_sharded_tensors(
         ).remove_sharded_tensors(key_prefix),
         f"removing tensors {key_prefix!r}* from {redact_uri(uri)!r}",
         collective,
+        None,
     )
 
 

@@ -47,8 +47,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from torch.futures import Future
 
-from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError, UnsafePickleError
+from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
+from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -250,13 +252,16 @@ def merge_metadata(parts: list[Metadata]) -> Metadata:
     return merged
 
 
-def read_metadata(storage: CheckpointStorage) -> Metadata:
-    """The checkpoint's DCP ``.metadata``.
+def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) -> Metadata:
+    """The checkpoint's DCP ``.metadata``, unpickled restricted to DCP's metadata types
+    unless trusted (:mod:`cloudckpt.strategies._dcp_unpickler`).
 
     Raises:
         CheckpointNotFoundError: there is none.
+        UnsafePickleError: it names a global outside DCP's metadata types.
         CheckpointingException: it is not a DCP Metadata.
     """
+    where = storage.child_uri(METADATA_FNAME)
     try:
         raw = storage.read(METADATA_FNAME)
     except CheckpointNotFoundError as exc:
@@ -264,15 +269,13 @@ def read_metadata(storage: CheckpointStorage) -> Metadata:
             f"checkpoint {storage.uri!r} has no {METADATA_FNAME} (PyTorch DCP metadata)"
         ) from exc
     try:
-        metadata = pickle.loads(raw)
+        metadata = load_dcp_metadata(raw, where, weights_only)
+    except UnsafePickleError:
+        raise
     except Exception as exc:
-        raise CheckpointingException(
-            f"{storage.child_uri(METADATA_FNAME)} is not a PyTorch DCP metadata file: {exc}"
-        ) from exc
+        raise CheckpointingException(f"{where} is not a PyTorch DCP metadata file: {exc}") from exc
     if not isinstance(metadata, Metadata):
-        raise CheckpointingException(
-            f"{storage.child_uri(METADATA_FNAME)} holds a {type(metadata).__name__}, not Metadata"
-        )
+        raise CheckpointingException(f"{where} holds a {type(metadata).__name__}, not Metadata")
     return metadata
 
 
@@ -305,13 +308,16 @@ def load_tensor_item(raw: bytes, where: str) -> torch.Tensor:
     return tensor
 
 
-def load_object_item(raw: bytes, weights_only: bool = False) -> Any:
+def load_object_item(
+    raw: bytes, where: str, weights_only: bool | None = None, what: str = "sharded object"
+) -> Any:
     """Decode a bytes item as Megatron-Core writes it, ``torch.save([data])``: the
-    one-element list is unwrapped (a ``BytesIO`` inside is decoded too)."""
-    value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=weights_only)
+    one-element list is unwrapped (a ``BytesIO`` inside is decoded too). Restricted
+    unless trusted (:func:`cloudckpt.safe_pickle.load_torch_pickle`); ``where`` and
+    ``what`` name the item in an error."""
+    value = load_torch_pickle(raw, where, what, weights_only)
     if isinstance(value, io.BytesIO):
-        value.seek(0)
-        value = torch.load(value, map_location="cpu", weights_only=weights_only)
+        value = load_torch_pickle(value.getvalue(), where, what, weights_only)
     if isinstance(value, list) and value:
         value = value[0]
     return value
@@ -321,7 +327,11 @@ class CloudStorageReader(StorageReader):
     """DCP storage reader over cloudckpt's storage layer (any fsspec URI).
 
     For ``torch.distributed.checkpoint.load(state_dict, storage_reader=...)``: reads
-    the items of the plan with concurrent ranged reads.
+    the items of the plan with concurrent ranged reads. ``.metadata`` is unpickled
+    restricted (:func:`read_metadata`); bytes items go to the planner as they are, and
+    DCP's ``DefaultLoadPlanner`` unpickles them with ``torch.load(weights_only=False)``:
+    with an untrusted checkpoint, pass a planner that does not (cloudckpt's own loads
+    do not use this reader for objects).
     """
 
     def __init__(self, storage: CheckpointStorage) -> None:

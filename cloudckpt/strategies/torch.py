@@ -19,8 +19,11 @@ rename) after every rank uploaded its data; cloudckpt's commit (``manifest.json`
 then ``metadata.json``) follows. Loading reshards to any requested layout, reading
 only the items that overlap the requested shards (ranged reads).
 
-Loading unpickles ``.metadata`` and ShardedObjects (as PyTorch and Megatron-Core do):
-only load checkpoints you trust.
+Loading unpickles ``.metadata`` restricted to DCP's metadata types
+(:mod:`cloudckpt.strategies._dcp_unpickler`) and ShardedObjects as
+``torch.load(weights_only=True)`` does with cloudckpt's allow-list
+(:mod:`cloudckpt.safe_pickle`); ``weights_only=False`` or ``CLOUDCKPT_TRUST_PICKLES=1``
+lifts both restrictions, for checkpoints you trust.
 """
 
 from __future__ import annotations
@@ -260,6 +263,14 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
     """Load ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint, resharding.
 
     Reads checkpoints of cloudckpt, Megatron-Core's torch_dist backend and plain DCP.
+
+    Args:
+        backend / version: "torch_dist", 1.
+        fs / storage_options: as for the save strategy.
+        weights_only: True unpickles ``.metadata`` and ShardedObjects restricted (see
+            :mod:`cloudckpt.safe_pickle`); False without restriction (trusted
+            checkpoints only); None (default) as the load call or
+            ``CLOUDCKPT_TRUST_PICKLES`` says, restricted when neither does.
     """
 
     def __init__(
@@ -268,10 +279,15 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         version: int = VERSION,
         fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
+        weights_only: bool | None = None,
     ) -> None:
         self.backend = backend
         self.version = version
         self._set_storage(fs, storage_options)
+        self.weights_only = weights_only
+
+    def _checkpoint(self, storage: CheckpointStorage) -> DcpCheckpoint:
+        return DcpCheckpoint(storage, weights_only=self.weights_only)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -287,7 +303,7 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         objects = [v for v in values if isinstance(v, ShardedObject)]
         if not tensors and not objects:
             return dict_list_map_outplace(lambda v: v, sharded_state_dict)
-        checkpoint = DcpCheckpoint(storage)
+        checkpoint = self._checkpoint(storage)
         loaded = checkpoint.load_tensors(tensors)
         loaded.update(checkpoint.load_objects(objects))
 
@@ -300,7 +316,7 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         self, storage: CheckpointStorage, checkpoint: DcpCheckpoint | None = None
     ) -> ShardedStateDict:
         """``{key: ShardedTensor}`` (meta-device data, one shard) for every stored tensor."""
-        checkpoint = checkpoint or DcpCheckpoint(storage)
+        checkpoint = checkpoint or self._checkpoint(storage)
         out: ShardedStateDict = {}
         for key in checkpoint.tensor_keys():
             dtype = checkpoint.tensor_metadata(key).properties.dtype
@@ -312,7 +328,7 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
 
     def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
         """Tensors (as :meth:`tensors_metadata_from`) and ShardedObjects (by unique key)."""
-        checkpoint = DcpCheckpoint(storage)  # .metadata read once for both
+        checkpoint = self._checkpoint(storage)  # .metadata read once for both
         out = self.tensors_metadata_from(storage, checkpoint)
         for key in checkpoint.object_keys():
             if is_common_state_item(key):  # Megatron-Core 0.19's common state, not an object
@@ -332,7 +348,7 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         but are no longer reachable. The manifest, when there is one, is rewritten with
         the new ``.metadata``'s size and CRC-32C.
         """
-        checkpoint = DcpCheckpoint(storage)
+        checkpoint = self._checkpoint(storage)
         metadata = checkpoint.metadata
         removed = {k for k in checkpoint.tensor_keys() if k.startswith(key_prefix)}
         if not removed:
