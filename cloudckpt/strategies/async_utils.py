@@ -13,6 +13,15 @@ Threads, not processes
     forked process would duplicate the address space (and any fsspec or CUDA state)
     and a spawned one would need every tensor serialised to it. The threads are not
     daemons: interpreter exit waits for a running save instead of cutting it off.
+    ``AsyncCallsQueue()`` starts one thread per request (Megatron-Core's temporal
+    worker process); ``AsyncCallsQueue(persistent=True)`` runs the requests one after
+    another in one long-lived worker thread (Megatron-Core's persistent worker).
+
+Preloading
+    A request's ``preload_fn`` (Megatron-Core's device-to-host staging) runs in the
+    caller's thread when the request is scheduled or executed; its result replaces the
+    second positional argument of ``async_fn`` (Megatron-Core's convention: the
+    staged write buckets of :class:`~cloudckpt.strategies.filesystem_async.FileSystemWriterAsync`).
 
 Threading contract
     Every method of :class:`AsyncCallsQueue` must be called from one thread, the
@@ -27,14 +36,18 @@ Threading contract
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
+import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from cloudckpt import dist
 from cloudckpt.errors import CheckpointingException, DistributedCheckpointError
@@ -42,6 +55,23 @@ from cloudckpt.errors import CheckpointingException, DistributedCheckpointError
 logger = logging.getLogger(__name__)
 
 FinalizeFn = Callable[[], Any]
+
+
+@contextmanager
+def _disable_gc() -> Iterator[None]:
+    """Disable Python's garbage collector for the block (or decorated call), if enabled.
+
+    Megatron-Core wraps the start of a background save in it; usable as a context
+    manager or, being a ``contextlib`` manager, as a decorator (``@_disable_gc()``).
+    """
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -62,14 +92,55 @@ class AsyncRequest:
         finalize_fns: zero-argument callables run in order, in the caller's thread,
             after ``async_fn`` is done on every rank. Copied into a new list.
         async_fn_kwargs: keyword arguments of ``async_fn``.
+        preload_fn: stages the data to persist (Megatron-Core: device to host); its
+            result replaces ``async_fn_args[1]`` (see the module docstring).
         is_frozen: once True, no finalize function can be added.
+        call_idx: the index the queue gave the request when scheduling it.
+
+    The field order is Megatron-Core's (its AsyncRequest is a NamedTuple), and
+    ``_replace``, ``_asdict`` and ``_fields`` work as on it.
     """
 
     async_fn: Callable[..., Any] | None
     async_fn_args: tuple[Any, ...]
     finalize_fns: list[FinalizeFn] = field(default_factory=list)
     async_fn_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    preload_fn: Callable[[], Any] | None = None
     is_frozen: bool = False
+    call_idx: int = 0
+
+    _fields: ClassVar[tuple[str, ...]] = (
+        "async_fn",
+        "async_fn_args",
+        "finalize_fns",
+        "async_fn_kwargs",
+        "preload_fn",
+        "is_frozen",
+        "call_idx",
+    )
+
+    def _replace(self, **changes: Any) -> AsyncRequest:
+        """A copy with ``changes`` (NamedTuple's ``_replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def _asdict(self) -> dict[str, Any]:
+        """The fields by name (NamedTuple's ``_asdict``; shallow, no copies)."""
+        return {name: getattr(self, name) for name in self._fields}
+
+    def resolved_args(self) -> tuple[Any, ...]:
+        """``async_fn``'s positional arguments, the second one from ``preload_fn`` if set.
+
+        Raises:
+            CheckpointingException: ``preload_fn`` is set but there is no second argument.
+        """
+        if self.preload_fn is None:
+            return self.async_fn_args
+        if len(self.async_fn_args) < 2:
+            raise CheckpointingException(
+                "an AsyncRequest with preload_fn needs at least two async_fn_args (the "
+                "second is replaced by what preload_fn returns)"
+            )
+        return (self.async_fn_args[0], self.preload_fn(), *self.async_fn_args[2:])
 
     def __post_init__(self) -> None:
         # Normalise what callers give (Megatron passes lists); copy so that the
@@ -110,7 +181,7 @@ class AsyncRequest:
     def execute_sync(self) -> None:
         """Run the request to completion in the caller's thread.
 
-        Runs ``async_fn``, then agrees with the other ranks that it succeeded
+        Runs ``preload_fn`` and ``async_fn``, then agrees with the other ranks that it succeeded
         everywhere (a collective, so every rank must call this; without a process
         group it is local), then runs every finalize function in order.
 
@@ -122,7 +193,7 @@ class AsyncRequest:
         """
         with dist.agree("synchronous execution of an async request"):
             if self.async_fn is not None:
-                self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+                self.async_fn(*self.resolved_args(), **self.async_fn_kwargs)
         for fn in self.finalize_fns:
             fn()
 
@@ -137,30 +208,166 @@ def _as_sequence(fns: Sequence[FinalizeFn] | FinalizeFn) -> Sequence[FinalizeFn]
 
 @dataclass
 class _ScheduledCall:
-    """One scheduled request and the thread that runs its async function."""
+    """One scheduled request: its resolved arguments, outcome and completion flag."""
 
     idx: int
     request: AsyncRequest
-    thread: threading.Thread | None = None
+    args: tuple[Any, ...] = ()
     error: BaseException | None = None
     started: float = field(default_factory=time.monotonic)
+    finished: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        """Thread target: run the async function, record its error instead of raising."""
+        """Run the async function; record its error instead of raising; mark finished."""
         fn = self.request.async_fn
-        if fn is None:
-            return
         try:
-            fn(*self.request.async_fn_args, **self.request.async_fn_kwargs)
+            if fn is not None:
+                fn(*self.args, **self.request.async_fn_kwargs)
         except BaseException as exc:  # noqa: BLE001 - re-raised at finalization
             self.error = exc
+        finally:
+            self.finished.set()
 
     def is_done(self) -> bool:
-        return self.thread is None or not self.thread.is_alive()
+        return self.finished.is_set()
 
     def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
+        self.finished.wait()
+
+
+class _Worker:
+    """One long-lived thread running calls in submission order (``persistent=True``)."""
+
+    def __init__(self, name: str = "cloudckpt-async-worker") -> None:
+        self.name = name
+        self._inbox: queue.SimpleQueue[_ScheduledCall | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, call: _ScheduledCall) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=False)
+            self._thread.start()
+        self._inbox.put(call)
+
+    def _loop(self) -> None:
+        while (call := self._inbox.get()) is not None:
+            call.run()
+
+    def stop(self) -> None:
+        """Let the calls submitted so far finish, then end the thread."""
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+def _start(call: _ScheduledCall, worker: _Worker | None) -> None:
+    """Stage the request's data (``preload_fn``, in this thread) and start its async function."""
+    request = call.request
+    if request.async_fn is None:
+        call.finished.set()
+        return
+    with _disable_gc():
+        call.args = request.resolved_args()
+    if worker is not None:
+        worker.submit(call)
+        return
+    thread = threading.Thread(
+        target=call.run, name=f"cloudckpt-async-save-{call.idx}", daemon=False
+    )
+    thread.start()
+
+
+class AsyncCaller(ABC):
+    """Runs one async request at a time in the background (Megatron-Core's interface).
+
+    :class:`AsyncCallsQueue` is what training code uses; callers are its building
+    blocks, kept for code written against Megatron-Core. All methods are called from
+    the training thread, on all ranks.
+    """
+
+    @abstractmethod
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Start ``async_req`` in the background (after its ``preload_fn``)."""
+
+    @abstractmethod
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """True when the current call is done on every rank (on this one with ``no_dist``).
+
+        A collective unless ``no_dist``. With ``blocking``, waits for it.
+
+        Raises:
+            CheckpointingException: the call's async function failed on this rank.
+        """
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        """True when no rank reports a call still running (an integer all-reduce)."""
+        return dist.all_reduce_int(int(is_alive), op="sum") == 0
+
+    @abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Wait for the calls started (threads cannot be killed, even with ``abort``)."""
+
+
+class _SingleCallCaller(AsyncCaller):
+    """The shared logic of the two callers: one current call, checked and reported."""
+
+    def __init__(self) -> None:
+        self._current: deque[_ScheduledCall] = deque()
+
+    def _worker(self) -> _Worker | None:
+        return None
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Start ``async_req`` (must be called on all ranks, as in Megatron-Core)."""
+        if async_req.async_fn is None:
+            return
+        call = _ScheduledCall(async_req.call_idx, async_req)
+        _start(call, self._worker())
+        self._current.append(call)
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """See :meth:`AsyncCaller.is_current_async_call_done`."""
+        call = self._current[0] if self._current else None
+        if call is not None and blocking:
+            call.wait()
+        alive = int(call is not None and not call.is_done())
+        done = not alive if no_dist else self.sync_all_async_calls(alive)
+        if done and call is not None:
+            self._current.popleft()
+            if call.error is not None:
+                raise CheckpointingException(
+                    f"async checkpoint call {call.idx} failed: {type(call.error).__name__}: "
+                    f"{call.error}"
+                ) from call.error
+        return done
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for every call started; report none of their errors."""
+        for call in self._current:
+            call.wait()
+        self._current.clear()
+
+
+class TemporalAsyncCaller(_SingleCallCaller):
+    """A new background thread per call (Megatron-Core forks a process per call)."""
+
+
+class PersistentAsyncCaller(_SingleCallCaller):
+    """One long-lived background thread running the calls in order (Megatron-Core: a
+    spawned worker process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._persistent = _Worker()
+
+    def _worker(self) -> _Worker | None:
+        return self._persistent
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the calls started, then end the worker thread."""
+        super().close(abort)
+        self._persistent.stop()
 
 
 class AsyncCallsQueue:
@@ -181,12 +388,20 @@ class AsyncCallsQueue:
     finalization on all ranks).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, persistent: bool = False) -> None:
+        """
+        Args:
+            persistent: run the async functions one after another in one long-lived
+                worker thread (ended by :meth:`close`) instead of a thread per request.
+        """
         self._calls: deque[_ScheduledCall] = deque()
         self._next_idx = 0
+        self.persistent = persistent
+        self._worker = _Worker() if persistent else None
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
-        """Freeze ``async_request`` and start its async function in a background thread.
+        """Freeze ``async_request``, run its ``preload_fn`` and start its async function
+        in a background thread (the persistent worker with ``persistent=True``).
 
         Args:
             async_request: the request; a request without ``async_fn`` starts no thread
@@ -196,13 +411,10 @@ class AsyncCallsQueue:
             The call index (0, 1, 2, ... in scheduling order), used in logs, errors
             and the return value of :meth:`maybe_finalize_async_calls`.
         """
-        call = _ScheduledCall(self._next_idx, async_request.freeze())
+        request = async_request._replace(is_frozen=True, call_idx=self._next_idx)
+        call = _ScheduledCall(self._next_idx, request)
+        _start(call, self._worker)
         self._next_idx += 1
-        if call.request.async_fn is not None:
-            call.thread = threading.Thread(
-                target=call.run, name=f"cloudckpt-async-save-{call.idx}", daemon=False
-            )
-            call.thread.start()
         self._calls.append(call)
         logger.debug("scheduled async checkpoint call %s", call.idx)
         return call.idx
@@ -259,6 +471,8 @@ class AsyncCallsQueue:
         Args:
             abort: wait for the running async functions but finalize nothing and run
                 no collective: the calls are dropped. For a rank that is failing.
+
+        With ``persistent=True`` the worker thread ends too.
         """
         if abort:
             for call in self._calls:
@@ -270,8 +484,17 @@ class AsyncCallsQueue:
                     [call.idx for call in self._calls],
                 )
             self._calls.clear()
+            self._stop_worker()
             return
-        self.maybe_finalize_async_calls(blocking=True)
+        try:
+            self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        """End the persistent worker thread (a later request starts a new one)."""
+        if self._worker is not None:
+            self._worker.stop()
 
     def __enter__(self) -> Self:
         return self
