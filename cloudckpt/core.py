@@ -16,7 +16,6 @@ from cloudckpt.errors import (
     CheckpointingException,
 )
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
-from cloudckpt.strategies.base import checkpoint_uri
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +62,9 @@ def _storage(checkpoint_dir: CheckpointLocation) -> CheckpointStorage:
     """``checkpoint_dir`` as storage: opened from a URI or path, or as given."""
     if isinstance(checkpoint_dir, CheckpointStorage):
         return checkpoint_dir
+    # imported here: strategies.base imports torch, which the CLI's commands avoid
+    from cloudckpt.strategies.base import checkpoint_uri  # noqa: PLC0415
+
     return open_checkpoint(checkpoint_uri(checkpoint_dir))
 
 
