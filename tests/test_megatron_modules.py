@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import gc
 import importlib
-import io
 import inspect
+import io
 import itertools
 import logging
 import threading
@@ -709,3 +709,58 @@ def test_exchange_utils_on_four_gloo_ranks(rank_pool) -> None:
     assert results[0][-1] == "duplicates refused"
     main_ranks = {rank for _, rank in results[0][0]}
     assert len(results[0][0]) == 5 and len(main_ranks) >= 3  # the reads are spread
+
+
+def _async_dcp_scenario(rank: int, world: int, uri: str) -> list[str]:
+    """Every rank stages with FileSystemWriterAsync, uploads in a queue, finalizes together;
+    then a failed upload on rank 2 is raised by the finalize on every rank."""
+    full = _reference("w", (8, 4), torch.float32)
+    sharded = {
+        "w": ShardedTensor.from_rank_offsets(
+            "w", full.chunk(world)[rank].clone(), (0, rank, world)
+        ),
+        "o": ShardedObject("rng", {"rank": rank}, (world,), (rank,)),
+    }
+    outcome = []
+    for attempt in ("ok", "fail"):
+        state, extra = to_dcp_state_dict(sharded)
+        writer = FileSystemWriterAsync(f"{uri}/{attempt}")
+        writer.mcore_data = extra
+        planner = MCoreSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        args, *_ = save_state_dict_async_plan(state, writer, planner=planner)
+        save_fn, _, save_args = writer.get_save_function_and_args()
+        assert save_fn is not None
+        if attempt == "ok":
+            queue = AsyncCallsQueue()
+            finalize = [lambda args=args: save_state_dict_async_finalize(*args)]
+            queue.schedule_async_request(AsyncRequest(save_fn, save_args, finalize))
+            assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+            request = {
+                "w": ShardedTensor.from_rank_offsets(
+                    "w", torch.empty(8, 2), (1, rank % 2, 2), replica_id=rank // 2
+                ),
+                "o": ShardedObject("rng", None, (world,), ((rank + 1) % world,)),
+            }
+            loaded = TorchDistLoadShardedStrategy().load(request, f"{uri}/ok")
+            assert torch.equal(loaded["w"], full.chunk(2, dim=1)[rank % 2])
+            assert loaded["o"] == {"rank": (rank + 1) % world}
+            outcome.append("saved and resharded")
+            continue
+        if rank == 2:
+            save_args[1][0] = ("../outside", save_args[1][0][1])  # an invalid object path
+        try:
+            save_fn(*save_args)
+        except CheckpointingException:
+            assert rank == 2
+        try:
+            save_state_dict_async_finalize(*args)
+        except CheckpointException as exc:
+            outcome.append(f"failed ranks {sorted(exc.failures)}" if rank == 0 else "failed")
+    return outcome
+
+
+def test_async_dcp_save_on_four_gloo_ranks(rank_pool, tmp_path: Path) -> None:
+    results = rank_pool.run(_async_dcp_scenario, str(tmp_path / "ckpt"))
+    assert results[0] == ["saved and resharded", "failed ranks [2]"]
+    assert results[1:] == [["saved and resharded", "failed"]] * 3
+    assert not (tmp_path / "ckpt" / "fail" / ".metadata").exists()
