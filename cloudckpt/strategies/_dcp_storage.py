@@ -118,6 +118,9 @@ class CloudStorageWriter(StorageWriter):
             checkpoint; with ``write_metadata=False`` the coordinator keeps the
             ``Metadata`` in :attr:`metadata` instead of writing ``.metadata``
             (:func:`merge_metadata` then combines the parts).
+        separation_hint: items whose key starts with it go to objects of their own,
+            after the other items (Megatron-Core's ``separation_hint``: e.g. the
+            optimizer state apart from the model weights).
     """
 
     def __init__(
@@ -129,8 +132,10 @@ class CloudStorageWriter(StorageWriter):
         *,
         part: str = "",
         write_metadata: bool = True,
+        separation_hint: str | None = None,
     ) -> None:
         super().__init__()
+        self.separation_hint = separation_hint
         self.part = part
         self.write_metadata = write_metadata
         self.metadata: Metadata | None = None
@@ -180,16 +185,23 @@ class CloudStorageWriter(StorageWriter):
     def _objects(
         self, prefix: str, items: list[WriteItem], planner: SavePlanner
     ) -> Iterator[tuple[_Object, list[DcpWriteResult]]]:
-        """Pack the items into objects of about ``object_size`` bytes, in plan order."""
+        """Pack the items into objects of about ``object_size`` bytes, in plan order
+        (the items of the separation hint after the others, in objects of their own)."""
         count = 0
         obj: _Object | None = None
         results: list[DcpWriteResult] = []
-        for item in items:
+        hint = self.separation_hint
+        grouped = sorted(items, key=lambda it: bool(hint) and it.index.fqn.startswith(hint or ""))
+        group = False
+        for item in grouped:
             data = planner.resolve_data(item)
             estimate = _estimated_size(data)
-            if obj is not None and obj.size and obj.size + estimate > self.object_size:
+            separated = bool(hint) and item.index.fqn.startswith(hint or "")
+            full = obj is not None and obj.size and obj.size + estimate > self.object_size
+            if obj is not None and (full or separated != group):
                 yield obj, results
                 obj, results = None, []
+            group = separated
             if obj is None:
                 obj = _Object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"))
                 count += 1

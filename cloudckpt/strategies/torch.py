@@ -34,9 +34,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import state_dict_saver
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from cloudckpt.commit import amend_manifest
 from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
@@ -61,6 +59,13 @@ from cloudckpt.strategies._dcp_storage import (
     CloudStorageWriter,
     merge_metadata,
 )
+from cloudckpt.strategies._torch_compat import (
+    MCoreLoadPlanner,
+    MCoreSavePlanner,
+    flatten_state_dict,
+    mcore_to_pyt_state_dict,
+    sharded_tensor_to_torch_sharded_tensor,
+)
 from cloudckpt.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,
@@ -74,6 +79,7 @@ from cloudckpt.strategies.checkpointable import (
     LocalShardsContainer,
     is_nd_flattened,
 )
+from cloudckpt.strategies.resharding import get_reformulation_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -108,20 +114,14 @@ def to_dcp_state_dict(
     return state, extra
 
 
-class _PackedObjectsSavePlanner(DefaultSavePlanner):
-    """DCP's default planner, except that bytes items are stored as the ``BytesIO``
-    already holds them (``torch.save([data])``, as Megatron-Core stores ShardedObjects)
-    instead of being pickled once more."""
-
-    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
-        if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
-            return object
-        return super().transform_object(write_item, object)
-
-
 def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
-    """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed)."""
-    planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed).
+
+    The planner is :class:`MCoreSavePlanner`: bytes items are stored as the ``BytesIO``
+    already holds them (``torch.save([data])``, as Megatron-Core stores ShardedObjects)
+    instead of being pickled once more.
+    """
+    planner = MCoreSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         state_dict_saver.save(state, storage_writer=writer, planner=planner)
@@ -130,9 +130,23 @@ def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
 class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
     """Save ShardedTensors and ShardedObjects in the PyTorch DCP format.
 
+    Megatron-Core's constructor arguments come first, in its order:
+
     Args:
         backend: must be "torch_dist".
         version: format version (1).
+        keep_only_main_replica: Megatron-Core's switch between replica_id-based
+            de-duplication (True, its recommended default) and DCP's. cloudckpt always
+            writes the main replicas only (the same bytes DCP's de-duplication keeps);
+            the value is recorded, not used.
+        thread_count: Megatron-Core's writer threads per rank. cloudckpt's concurrency
+            is the storage pool's ``max_in_flight`` (config) shared by all uploads, and
+            the number of objects follows ``object_size``; recorded, not used.
+        cached_metadata: Megatron-Core reuses the DCP plan of the previous save when
+            the structure is unchanged. cloudckpt plans every save (the plan is small
+            next to the uploads); recorded, not used.
+        separation_hint: tensors (and objects) whose key starts with it are written to
+            ``.distcp`` objects of their own, as in Megatron-Core.
         fs: an fsspec filesystem to use instead of resolving one from the URI.
         storage_options: options for the filesystem resolved from the URI.
         object_size: target size in bytes of one ``.distcp`` object (small items share
@@ -144,6 +158,10 @@ class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
         self,
         backend: str = BACKEND,
         version: int = VERSION,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 2,
+        cached_metadata: bool = False,
+        separation_hint: str | None = None,
         fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
         *,
@@ -151,6 +169,12 @@ class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
         config: CheckpointConfig | None = None,
     ) -> None:
         super().__init__(backend, version)
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be positive: {thread_count}")
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.use_cached_ckpt_structure = cached_metadata
+        self.separation_hint = separation_hint
         if object_size < 1:
             raise ValueError(f"object_size must be a positive number of bytes: {object_size}")
         self.object_size = object_size
@@ -197,7 +221,11 @@ class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
         """
         state, extra = to_dcp_state_dict(sharded_state_dict)
         writer = CloudStorageWriter(
-            storage, self._object_size(config), self._batch_bytes(config), extra
+            storage,
+            self._object_size(config),
+            self._batch_bytes(config),
+            extra,
+            separation_hint=self.separation_hint,
         )
         try:
             dcp_save(state, writer)
@@ -364,3 +392,25 @@ def register_default_torch_dist_strategies() -> None:
 
 
 register_default_torch_dist_strategies()
+
+
+#: Megatron-Core's name for :func:`register_default_torch_dist_strategies`.
+register_default_torch_strategies = register_default_torch_dist_strategies
+
+__all__ = [
+    "BACKEND",
+    "VERSION",
+    "DcpBatchWriter",
+    "MCoreLoadPlanner",
+    "MCoreSavePlanner",
+    "TorchDistLoadShardedStrategy",
+    "TorchDistSaveShardedStrategy",
+    "dcp_save",
+    "flatten_state_dict",
+    "get_reformulation_metadata",
+    "mcore_to_pyt_state_dict",
+    "register_default_torch_dist_strategies",
+    "register_default_torch_strategies",
+    "sharded_tensor_to_torch_sharded_tensor",
+    "to_dcp_state_dict",
+]
