@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
 import torch
 
@@ -150,6 +153,71 @@ def test_megatron_gpt_loads_resharded_from_s3(
     )  # fmt: skip
     ranks = result["ranks"]
     assert [(r["tp"], r["dp"]) for r in ranks] == [(tp, 4 // tp)] * 4
+    assert all(r["iteration"] == 7 and r["model_params_match"] for r in ranks)
+    plain = cloudckpt.load_plain_tensors(uri, storage_options=options)
+    assert _check_shards(result, plain) == sum(len(r["shards"]) for r in ranks) > 20
+
+
+# -- fully parallel, as Megatron's training sets it up for torch_dist ----------------------
+
+
+def _bytes_by_writer(uri: str, options: dict[str, Any]) -> dict[int, int]:
+    """Bytes of the ``__<rank>_<i>.distcp`` objects, by the rank that wrote them."""
+    fs = fsspec.filesystem("s3", **options)
+    by_rank: dict[int, int] = {}
+    for path, info in fs.find(uri, detail=True).items():
+        match = re.fullmatch(r"__(\d+)_\d+\.distcp", posixpath.basename(path))
+        if match:
+            rank = int(match.group(1))
+            by_rank[rank] = by_rank.get(rank, 0) + int(info["size"])
+    return by_rank
+
+
+@pytest.fixture(scope="module")
+def saved_fully_parallel(
+    mcore15_dropin: MegatronEnv,
+    s3_location: tuple[str, dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The same state saved with torch_dist through FullyParallelSaveStrategyWrapper over
+    Megatron's data-parallel groups (TP=2 x DP=2), as megatron/training does."""
+    bucket, options = s3_location
+    uri = f"{bucket}/gpt-fully-parallel/iter_0000007"
+    out = tmp_path_factory.mktemp("dropin-fp") / "save.json"
+    result = _run(
+        mcore15_dropin, options, out, "save", "--uri", uri, "--world", "4", "--tp", "2",
+        "--fully-parallel",
+    )  # fmt: skip
+    return uri, options, result
+
+
+def test_megatron_gpt_fully_parallel_save_spreads_replicas(
+    saved_fully_parallel: tuple[str, dict[str, Any], dict[str, Any]],
+) -> None:
+    """Every rank writes a share (without the wrapper only DP rank 0 of each TP rank,
+    ranks 0 and 1, would), and what was stored is what the ranks held."""
+    uri, options, result = saved_fully_parallel
+    written = _bytes_by_writer(uri, options)
+    assert sorted(written) == [0, 1, 2, 3] and all(n > 0 for n in written.values()), written
+    plain = cloudckpt.load_plain_tensors(uri, storage_options=options)
+    ranks = result["ranks"]
+    assert _check_shards(result, plain) == sum(len(r["shards"]) for r in ranks) > 20
+
+
+def test_megatron_gpt_fully_parallel_load_resharded(
+    mcore15_dropin: MegatronEnv,
+    saved_fully_parallel: tuple[str, dict[str, Any], dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    """Loaded into TP=1 x DP=4 through FullyParallelLoadStrategyWrapper (each shard read
+    by one rank of its data-parallel group, broadcast to the others)."""
+    uri, options, _ = saved_fully_parallel
+    result = _run(
+        mcore15_dropin, options, tmp_path / "load.json", "load", "--uri", uri, "--world", "4",
+        "--tp", "1", "--fully-parallel",
+    )  # fmt: skip
+    ranks = result["ranks"]
+    assert [(r["tp"], r["dp"]) for r in ranks] == [(1, 4)] * 4
     assert all(r["iteration"] == 7 and r["model_params_match"] for r in ranks)
     plain = cloudckpt.load_plain_tensors(uri, storage_options=options)
     assert _check_shards(result, plain) == sum(len(r["shards"]) for r in ranks) > 20

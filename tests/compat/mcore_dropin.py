@@ -239,17 +239,18 @@ def _save(rank: int, world: int, uri: str, tp: int, fully_parallel: bool) -> dic
     state, _ = _sharded_state(rank, empty=False)
     described = _describe_shards(state)
     kwargs: dict[str, Any] = {}
-    if fully_parallel:
-        from megatron.core.dist_checkpointing.serialization import (  # noqa: PLC0415
-            get_default_save_sharded_strategy,
-        )
+    if fully_parallel:  # as megatron/training/checkpointing.py sets it up for torch_dist
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: PLC0415
             FullyParallelSaveStrategyWrapper,
         )
+        from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: PLC0415
+            TorchDistSaveShardedStrategy,
+        )
 
         kwargs["sharded_strategy"] = FullyParallelSaveStrategyWrapper(
-            get_default_save_sharded_strategy(),
+            TorchDistSaveShardedStrategy("torch_dist", 1),
             ps.get_data_parallel_group(with_context_parallel=True),
+            True,  # ckpt_assume_constant_structure
         )
     dist_checkpointing.save(state, uri, **kwargs)
     return {
@@ -269,16 +270,15 @@ def _load(rank: int, world: int, uri: str, tp: int, fully_parallel: bool) -> dic
     request, model = _sharded_state(rank, empty=True)
     kwargs: dict[str, Any] = {}
     if fully_parallel:
-        from megatron.core.dist_checkpointing.serialization import (  # noqa: PLC0415
-            get_default_load_sharded_strategy,
-        )
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: PLC0415
             FullyParallelLoadStrategyWrapper,
         )
+        from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: PLC0415
+            TorchDistLoadShardedStrategy,
+        )
 
         kwargs["sharded_strategy"] = FullyParallelLoadStrategyWrapper(
-            get_default_load_sharded_strategy(uri),
-            ps.get_data_parallel_group(with_context_parallel=True),
+            TorchDistLoadShardedStrategy(), ps.get_data_parallel_group(with_context_parallel=True)
         )
     metadata = _describe_shards(request)  # where each requested shard sits (data: NaN)
     loaded = dist_checkpointing.load(request, uri, strict="raise_all", **kwargs)
