@@ -27,11 +27,15 @@ code, and this script's - gets cloudckpt. Then, on gloo CPU ranks:
   ``load_state_dict``, and every loaded shard's digest reported; the pytest side
   compares each with the slice of the saved tensors the shard's metadata names.
 
-Megatron's ``DistributedOptimizer`` and ``FP32Optimizer`` themselves need CUDA (the
-first refuses CPU parameters: "Wrapped parameters must be one of torch.cuda.FloatTensor,
-torch.cuda.HalfTensor, or torch.cuda.BFloat16Tensor"; the second allocates
-``torch.tensor([1.0], device='cuda')`` in its constructor), so the optimizer here is
-``torch.optim.Adam`` with those two sharded forms built from Megatron's own helpers.
+Megatron's own optimizers cannot be built on a CPU-only torch: ``get_megatron_optimizer``
+with ``use_distributed_optimizer=True`` fails in ``MixedPrecisionOptimizer.__init__``
+(``torch.tensor([0], dtype=torch.int, device='cuda')``, optimizer.py line 477 of 0.15.3;
+``DistributedOptimizer`` would next refuse CPU parameters: "Wrapped parameters must be
+one of torch.cuda.FloatTensor, ..."), and with ``False`` in ``FP32Optimizer.__init__``
+(``torch.tensor([1.0], device='cuda')``, line 903); both raise "Torch not compiled with
+CUDA enabled". Megatron's ``DistributedDataParallel`` wrapper itself builds on CPU. So
+the optimizer here is ``torch.optim.Adam``, with the two sharded forms above built from
+Megatron's own helpers.
 """
 
 from __future__ import annotations
