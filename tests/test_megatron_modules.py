@@ -10,12 +10,14 @@ parameter of its own must have a default (so Megatron's calls bind the same way)
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 import inspect
 import io
 import itertools
 import logging
+import pickle
 import threading
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 
 import cloudckpt
 from cloudckpt import (
@@ -156,9 +160,13 @@ SPEC: dict[str, dict[str, list[str]]] = {
         "MCoreSavePlanner": [
             "args",
             "dedup_replicated_tensors",
+            "nd_flattened_global_shapes",
             "can_run_decentralized_global_plan",
             "kwargs",
         ],
+        # subclasses of PyTorch's dataclasses: PyTorch's fields, then Megatron's one
+        "MCoreMetadata": [f.name for f in dataclasses.fields(Metadata)] + ["mcore_data"],
+        "MCoreSavePlan": [f.name for f in dataclasses.fields(SavePlan)] + ["mcore_data"],
         "MCoreLoadPlanner": [
             "args",
             "shapes_validation_sharded_tensors",
@@ -550,6 +558,7 @@ def test_filesystem_writer_async_and_state_dict_saver_in_a_queue(tmp_path: Path)
     )
     assert torch.equal(loaded["w"], weights)
     assert {r.path for r in writer.results} >= {".metadata"}
+    assert type(FileSystemReader(uri).read_metadata()) is Metadata  # MCoreMetadata unwrapped
     with pytest.raises(TypeError, match="unexpected arguments"):
         FileSystemWriterAsync(uri, no_such_option=1)
     failing = FileSystemWriterAsync(str(tmp_path / "never"))
@@ -764,3 +773,24 @@ def test_async_dcp_save_on_four_gloo_ranks(rank_pool, tmp_path: Path) -> None:
     assert results[0] == ["saved and resharded", "failed ranks [2]"]
     assert results[1:] == [["saved and resharded", "failed"]] * 3
     assert not (tmp_path / "ckpt" / "fail" / ".metadata").exists()
+
+
+def test_megatron_015_metadata_class_is_read_without_megatron(tmp_path: Path) -> None:
+    """Megatron-Core 0.15 pickles ``.metadata`` as its MCoreMetadata: such a file loads
+    through cloudckpt's class when Megatron-Core is not installed (as here)."""
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, uri, ("torch_dist", 1)
+    )
+    plain = FileSystemReader(uri).read_metadata()
+    assert type(plain) is Metadata  # cloudckpt writes no class of its own into .metadata
+    mcore = torch_strategies.MCoreMetadata(mcore_data={"w": {}}, **vars(plain))
+    raw = pickle.dumps(mcore, protocol=0).replace(
+        b"ccloudckpt.strategies._dcp_storage\nMCoreMetadata",
+        b"cmegatron.core.dist_checkpointing.strategies.torch\nMCoreMetadata",
+    )
+    assert b"megatron.core" in raw
+    (tmp_path / "ckpt" / ".metadata").write_bytes(raw)
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}
+    loaded = TorchDistLoadShardedStrategy().load(request, uri)
+    assert torch.equal(loaded["w"], torch.arange(4.0))

@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from cloudckpt.commit import amend_manifest
 from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
@@ -57,6 +59,8 @@ from cloudckpt.strategies._dcp_reader import (
 from cloudckpt.strategies._dcp_storage import (
     METADATA_FNAME,
     CloudStorageWriter,
+    MCoreMetadata,
+    MCoreSavePlan,
     merge_metadata,
 )
 from cloudckpt.strategies._torch_compat import (
@@ -114,14 +118,22 @@ def to_dcp_state_dict(
     return state, extra
 
 
-def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
-    """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed).
-
-    The planner is :class:`MCoreSavePlanner`: bytes items are stored as the ``BytesIO``
+class _PackedObjectsSavePlanner(DefaultSavePlanner):
+    """DCP's default planner, except that bytes items are stored as the ``BytesIO``
     already holds them (``torch.save([data])``, as Megatron-Core stores ShardedObjects)
-    instead of being pickled once more.
-    """
-    planner = MCoreSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    instead of being pickled once more. Unlike :class:`MCoreSavePlanner` it leaves the
+    metadata a plain DCP ``Metadata`` (the writer adds ``mcore_data``), so that no
+    cloudckpt class is pickled into a checkpoint that stock Megatron-Core must read."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
+
+
+def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
+    """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed)."""
+    planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         state_dict_saver.save(state, storage_writer=writer, planner=planner)
@@ -402,6 +414,8 @@ __all__ = [
     "VERSION",
     "DcpBatchWriter",
     "MCoreLoadPlanner",
+    "MCoreMetadata",
+    "MCoreSavePlan",
     "MCoreSavePlanner",
     "TorchDistLoadShardedStrategy",
     "TorchDistSaveShardedStrategy",
