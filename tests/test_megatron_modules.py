@@ -95,7 +95,12 @@ SPEC: dict[str, dict[str, list[str]]] = {
         ],
     },
     "cloudckpt.exchange_utils": {
-        "distribute_shards_to_ranks": ["shard_to_ranks", "shard_to_size", "num_ranks"],
+        "distribute_shards_to_ranks": [
+            "shard_to_ranks",
+            "shard_to_size",
+            "num_ranks",
+            "cross_parallelization_group_loads",
+        ],
         "determine_main_replica_uniform_distribution": [
             "sharded_state_dict",
             "parallelization_group",
@@ -635,6 +640,10 @@ def test_distribute_shards_is_balanced_and_deterministic() -> None:
     shards = {"a": [0, 1], "b": [0, 1], "c": [1], "d": [0, 1, 2]}
     sizes = {"a": 10, "b": 10, "c": 5, "d": 1}
     assert distribute_shards_to_ranks(shards, sizes, 3) == {"c": 1, "a": 0, "b": 1, "d": 2}
+    # a shard whose main replica is in another group is placed last
+    pair, even = {"x": [0, 1], "y": [0, 1]}, {"x": 5, "y": 5}
+    assert distribute_shards_to_ranks(pair, even, 2) == {"x": 0, "y": 1}
+    assert distribute_shards_to_ranks(pair, even, 2, {"x"}) == {"y": 0, "x": 1}
     with pytest.raises(CheckpointingException, match="Expecting distribution"):
         exchange_by_distribution({}, {}, None)
 
