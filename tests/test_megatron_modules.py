@@ -803,3 +803,42 @@ def test_megatron_015_metadata_class_is_read_without_megatron(tmp_path: Path) ->
     request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}
     loaded = TorchDistLoadShardedStrategy().load(request, uri)
     assert torch.equal(loaded["w"], torch.arange(4.0))
+
+
+def _strategy_async_save_scenario(rank: int, world: int, uri: str) -> list[bool]:
+    """TorchDistSaveShardedStrategy.async_save three times with cached_metadata=True: the
+    third save skips planning and reuses the coordinator's metadata; all load back."""
+    strategy = torch_strategies.TorchDistSaveShardedStrategy(
+        "torch_dist", 1, cached_metadata=True, separation_hint="optimizer."
+    )
+    queue = AsyncCallsQueue()
+    reuse = []
+    for step in range(3):
+        value = _reference(f"step{step}", (world * 2, 3), torch.float32)
+        sharded = {
+            "w": ShardedTensor.from_rank_offsets(
+                "w", value.chunk(world)[rank].clone(), (0, rank, world)
+            ),
+            "optimizer.m": ShardedTensor.from_rank_offsets(
+                "optimizer.m", value.chunk(world)[rank] * 2, (0, rank, world)
+            ),
+        }
+        queue.schedule_async_request(strategy.async_save(sharded, f"{uri}/{step}"))
+        reuse.append(strategy.validated_cache_reuse)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [step]
+        request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(world * 2, 3))}
+        loaded = TorchDistLoadShardedStrategy().load(request, f"{uri}/{step}")
+        assert torch.equal(loaded["w"], value)
+    return reuse
+
+
+def test_torch_dist_async_save_with_cached_plans_on_four_gloo_ranks(
+    rank_pool, tmp_path: Path
+) -> None:
+    results = rank_pool.run(_strategy_async_save_scenario, str(tmp_path / "ckpt"))
+    assert results == [[False, True, True]] * 4
+    md = FileSystemReader(str(tmp_path / "ckpt" / "2")).read_metadata()
+    paths = {fqn_is_opt: set() for fqn_is_opt in (True, False)}
+    for index, info in md.storage_data.items():
+        paths[index.fqn.startswith("optimizer.")].add(info.relative_path)
+    assert paths[True] and paths[False] and not paths[True] & paths[False]
