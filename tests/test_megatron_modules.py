@@ -188,6 +188,7 @@ SPEC: dict[str, dict[str, list[str]]] = {
         ],
         "TorchDistLoadShardedStrategy": [],
         "TorchDistLoadShardedStrategy.load": ["sharded_state_dict", "checkpoint_dir"],
+        "TorchDistLoadShardedStrategy.load_tensors_metadata": ["checkpoint_dir", "metadata"],
         "get_reformulation_metadata": ["sharded_state_dict", "checkpoint_dir"],
     },
     "cloudckpt.strategies.filesystem_async": {
@@ -626,6 +627,7 @@ def test_maybe_load_config_takes_a_directory_or_storage(tmp_path: Path) -> None:
         config = core.maybe_load_config(where)
         assert config is not None and config.sharded_backend == "torch_dist"
     assert core.check_is_distributed_checkpoint(uri)
+    assert core.maybe_load_config("") is None
     assert core.maybe_load_config(tmp_path) is None and not core.check_is_distributed_checkpoint(
         tmp_path
     )
@@ -793,6 +795,8 @@ def test_megatron_015_metadata_class_is_read_without_megatron(tmp_path: Path) ->
     )
     plain = FileSystemReader(uri).read_metadata()
     assert type(plain) is Metadata  # cloudckpt writes no class of its own into .metadata
+    listed = TorchDistLoadShardedStrategy().load_tensors_metadata(Path(uri), plain)
+    assert listed["w"].global_shape == (4,) and listed["w"].data.device.type == "meta"
     mcore = torch_strategies.MCoreMetadata(mcore_data={"w": {}}, **vars(plain))
     raw = pickle.dumps(mcore, protocol=0).replace(
         b"ccloudckpt.strategies._dcp_storage\nMCoreMetadata",

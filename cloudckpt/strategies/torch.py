@@ -399,6 +399,20 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
 
         return dict_list_map_outplace(replace, sharded_state_dict)
 
+    def load_tensors_metadata(
+        self, checkpoint_dir: CheckpointDir, metadata: Metadata | None = None
+    ) -> ShardedStateDict:
+        """``{key: ShardedTensor}`` (meta-device data) for every stored tensor.
+
+        Args:
+            checkpoint_dir: the checkpoint.
+            metadata: its DCP ``.metadata`` when the caller read it already
+                (Megatron-Core's argument); it is then not read again.
+        """
+        storage = self._storage(checkpoint_dir)
+        checkpoint = None if metadata is None else DcpCheckpoint(storage, metadata=metadata)
+        return self.tensors_metadata_from(storage, checkpoint)
+
     def tensors_metadata_from(
         self, storage: CheckpointStorage, checkpoint: DcpCheckpoint | None = None
     ) -> ShardedStateDict:
