@@ -84,12 +84,15 @@ def maybe_load_config(checkpoint_dir: CheckpointLocation) -> CheckpointingConfig
 
     Args:
         checkpoint_dir: as Megatron-Core, the checkpoint directory (``str`` URI or path,
-            ``pathlib.Path``); or a :class:`~cloudckpt.storage.CheckpointStorage`.
-            ``Path("s3://...")`` is refused (it lost the URI's ``//``).
+            ``pathlib.Path``; an empty one gives None); or a
+            :class:`~cloudckpt.storage.CheckpointStorage`. ``Path("s3://...")`` is
+            refused (it lost the URI's ``//``).
 
     Raises:
         CheckpointingException: ``metadata.json`` exists but is not a valid config.
     """
+    if not isinstance(checkpoint_dir, CheckpointStorage) and not checkpoint_dir:
+        return None  # as Megatron-Core: no directory given, no config
     storage = _storage(checkpoint_dir)
     if not storage.exists(CONFIG_FNAME):
         return None

@@ -22,6 +22,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from functools import reduce
 from itertools import zip_longest
 from typing import Any, NamedTuple, TypeVar
@@ -100,13 +101,18 @@ def _fill(target: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
 
 
 def distribute_shards_to_ranks(
-    shard_to_ranks: Mapping[T, Iterable[int]], shard_to_size: Mapping[T, int], num_ranks: int
+    shard_to_ranks: Mapping[T, Iterable[int]],
+    shard_to_size: Mapping[T, int],
+    num_ranks: int,
+    cross_parallelization_group_loads: AbstractSet[T] = frozenset(),
 ) -> dict[T, int]:
     """Assign each shard to one of the ranks that have it, balancing the bytes per rank.
 
-    Greedy and deterministic (the same result on every rank): shards available on the
-    fewest ranks first, then larger shards first, then by shard id; each goes to the
-    least loaded of its ranks (the lowest rank on a tie).
+    Greedy and deterministic (the same result on every rank): shards whose main replica
+    is in this group before those of ``cross_parallelization_group_loads`` (so a load
+    distributes like the save did), then shards available on the fewest ranks, then
+    larger shards, then by shard id; each goes to the least loaded of its ranks (the
+    lowest rank on a tie).
 
     Returns:
         ``{shard: rank}``.
@@ -116,7 +122,12 @@ def distribute_shards_to_ranks(
     assignment: dict[T, int] = {}
     order = sorted(
         candidates.items(),
-        key=lambda item: (len(item[1]), -shard_to_size[item[0]], item[0]),
+        key=lambda item: (
+            item[0] in cross_parallelization_group_loads,
+            len(item[1]),
+            -shard_to_size[item[0]],
+            item[0],
+        ),
     )
     for shard, ranks in order:
         if not ranks:
@@ -152,7 +163,7 @@ def determine_main_replica_uniform_distribution(
     shard_to_ranks: dict[_ShardId, list[int]] = defaultdict(list)
     shard_to_size: dict[_ShardId, int] = {}
     shard_to_metadata: dict[_ShardId, ShardedTensor] = {}
-    in_group: set[_ShardId] = set()
+    has_main: set[_ShardId] = set()
     for rank, shards in enumerate(gathered):
         for sh_ten in shards:
             shard_id = _sharded_tensor_shard_id(sh_ten)
@@ -160,10 +171,12 @@ def determine_main_replica_uniform_distribution(
             if shard_id not in shard_to_metadata:
                 shard_to_metadata[shard_id] = sh_ten
                 shard_to_size[shard_id] = _shard_size(sh_ten)
-            if ignore_groups or is_main_replica(sh_ten.replica_id):
-                in_group.add(shard_id)
+            if is_main_replica(sh_ten.replica_id):
+                has_main.add(shard_id)
+    in_group = set(shard_to_ranks) if ignore_groups else has_main
     ranks_in_group = {k: v for k, v in shard_to_ranks.items() if k in in_group}
-    main_rank = distribute_shards_to_ranks(ranks_in_group, shard_to_size, group_size)
+    cross_loads = in_group - has_main  # main replica in another group: last
+    main_rank = distribute_shards_to_ranks(ranks_in_group, shard_to_size, group_size, cross_loads)
     return ShardDistribution(main_rank, in_group, shard_to_metadata, ranks_in_group)
 
 

@@ -10,13 +10,20 @@ parameter of its own must have a default (so Megatron's calls bind the same way)
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import gc
 import importlib
 import inspect
 import io
 import itertools
 import logging
+import os
+import pickle
+import subprocess
+import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 
 import cloudckpt
 from cloudckpt import (
@@ -91,7 +100,12 @@ SPEC: dict[str, dict[str, list[str]]] = {
         ],
     },
     "cloudckpt.exchange_utils": {
-        "distribute_shards_to_ranks": ["shard_to_ranks", "shard_to_size", "num_ranks"],
+        "distribute_shards_to_ranks": [
+            "shard_to_ranks",
+            "shard_to_size",
+            "num_ranks",
+            "cross_parallelization_group_loads",
+        ],
         "determine_main_replica_uniform_distribution": [
             "sharded_state_dict",
             "parallelization_group",
@@ -156,9 +170,13 @@ SPEC: dict[str, dict[str, list[str]]] = {
         "MCoreSavePlanner": [
             "args",
             "dedup_replicated_tensors",
+            "nd_flattened_global_shapes",
             "can_run_decentralized_global_plan",
             "kwargs",
         ],
+        # subclasses of PyTorch's dataclasses: PyTorch's fields, then Megatron's one
+        "MCoreMetadata": [f.name for f in dataclasses.fields(Metadata)] + ["mcore_data"],
+        "MCoreSavePlan": [f.name for f in dataclasses.fields(SavePlan)] + ["mcore_data"],
         "MCoreLoadPlanner": [
             "args",
             "shapes_validation_sharded_tensors",
@@ -175,6 +193,7 @@ SPEC: dict[str, dict[str, list[str]]] = {
         ],
         "TorchDistLoadShardedStrategy": [],
         "TorchDistLoadShardedStrategy.load": ["sharded_state_dict", "checkpoint_dir"],
+        "TorchDistLoadShardedStrategy.load_tensors_metadata": ["checkpoint_dir", "metadata"],
         "get_reformulation_metadata": ["sharded_state_dict", "checkpoint_dir"],
     },
     "cloudckpt.strategies.filesystem_async": {
@@ -550,6 +569,7 @@ def test_filesystem_writer_async_and_state_dict_saver_in_a_queue(tmp_path: Path)
     )
     assert torch.equal(loaded["w"], weights)
     assert {r.path for r in writer.results} >= {".metadata"}
+    assert type(FileSystemReader(uri).read_metadata()) is Metadata  # MCoreMetadata unwrapped
     with pytest.raises(TypeError, match="unexpected arguments"):
         FileSystemWriterAsync(uri, no_such_option=1)
     failing = FileSystemWriterAsync(str(tmp_path / "never"))
@@ -612,6 +632,7 @@ def test_maybe_load_config_takes_a_directory_or_storage(tmp_path: Path) -> None:
         config = core.maybe_load_config(where)
         assert config is not None and config.sharded_backend == "torch_dist"
     assert core.check_is_distributed_checkpoint(uri)
+    assert core.maybe_load_config("") is None
     assert core.maybe_load_config(tmp_path) is None and not core.check_is_distributed_checkpoint(
         tmp_path
     )
@@ -626,6 +647,10 @@ def test_distribute_shards_is_balanced_and_deterministic() -> None:
     shards = {"a": [0, 1], "b": [0, 1], "c": [1], "d": [0, 1, 2]}
     sizes = {"a": 10, "b": 10, "c": 5, "d": 1}
     assert distribute_shards_to_ranks(shards, sizes, 3) == {"c": 1, "a": 0, "b": 1, "d": 2}
+    # a shard whose main replica is in another group is placed last
+    pair, even = {"x": [0, 1], "y": [0, 1]}, {"x": 5, "y": 5}
+    assert distribute_shards_to_ranks(pair, even, 2) == {"x": 0, "y": 1}
+    assert distribute_shards_to_ranks(pair, even, 2, {"x"}) == {"y": 0, "x": 1}
     with pytest.raises(CheckpointingException, match="Expecting distribution"):
         exchange_by_distribution({}, {}, None)
 
@@ -764,3 +789,233 @@ def test_async_dcp_save_on_four_gloo_ranks(rank_pool, tmp_path: Path) -> None:
     assert results[0] == ["saved and resharded", "failed ranks [2]"]
     assert results[1:] == [["saved and resharded", "failed"]] * 3
     assert not (tmp_path / "ckpt" / "fail" / ".metadata").exists()
+
+
+def test_megatron_015_metadata_class_is_read_without_megatron(tmp_path: Path) -> None:
+    """Megatron-Core 0.15 pickles ``.metadata`` as its MCoreMetadata: such a file loads
+    through cloudckpt's class when Megatron-Core is not installed (as here)."""
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, uri, ("torch_dist", 1)
+    )
+    plain = FileSystemReader(uri).read_metadata()
+    assert type(plain) is Metadata  # cloudckpt writes no class of its own into .metadata
+    listed = TorchDistLoadShardedStrategy().load_tensors_metadata(Path(uri), plain)
+    assert listed["w"].global_shape == (4,) and listed["w"].data.device.type == "meta"
+    mcore = torch_strategies.MCoreMetadata(mcore_data={"w": {}}, **vars(plain))
+    raw = pickle.dumps(mcore, protocol=0).replace(
+        b"ccloudckpt.strategies._dcp_storage\nMCoreMetadata",
+        b"cmegatron.core.dist_checkpointing.strategies.torch\nMCoreMetadata",
+    )
+    assert b"megatron.core" in raw
+    (tmp_path / "ckpt" / ".metadata").write_bytes(raw)
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}
+    loaded = TorchDistLoadShardedStrategy().load(request, uri)
+    assert torch.equal(loaded["w"], torch.arange(4.0))
+
+
+def _strategy_async_save_scenario(rank: int, world: int, uri: str) -> list[bool]:
+    """TorchDistSaveShardedStrategy.async_save three times with cached_metadata=True: the
+    third save skips planning and reuses the coordinator's metadata; all load back."""
+    strategy = torch_strategies.TorchDistSaveShardedStrategy(
+        "torch_dist", 1, cached_metadata=True, separation_hint="optimizer."
+    )
+    queue = AsyncCallsQueue()
+    reuse = []
+    for step in range(3):
+        value = _reference(f"step{step}", (world * 2, 3), torch.float32)
+        sharded = {
+            "w": ShardedTensor.from_rank_offsets(
+                "w", value.chunk(world)[rank].clone(), (0, rank, world)
+            ),
+            "optimizer.m": ShardedTensor.from_rank_offsets(
+                "optimizer.m", value.chunk(world)[rank] * 2, (0, rank, world)
+            ),
+        }
+        queue.schedule_async_request(strategy.async_save(sharded, f"{uri}/{step}"))
+        reuse.append(strategy.validated_cache_reuse)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [step]
+        request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(world * 2, 3))}
+        loaded = TorchDistLoadShardedStrategy().load(request, f"{uri}/{step}")
+        assert torch.equal(loaded["w"], value)
+    return reuse
+
+
+def test_torch_dist_async_save_with_cached_plans_on_four_gloo_ranks(
+    rank_pool, tmp_path: Path
+) -> None:
+    results = rank_pool.run(_strategy_async_save_scenario, str(tmp_path / "ckpt"))
+    assert results == [[False, True, True]] * 4
+    md = FileSystemReader(str(tmp_path / "ckpt" / "2")).read_metadata()
+    paths = {fqn_is_opt: set() for fqn_is_opt in (True, False)}
+    for index, info in md.storage_data.items():
+        paths[index.fqn.startswith("optimizer.")].add(info.relative_path)
+    assert paths[True] and paths[False] and not paths[True] & paths[False]
+
+
+# -- against the Megatron-Core 0.15.3 package itself (the compat environment) --------------
+
+# module of Megatron-Core 0.15's dist_checkpointing -> cloudckpt's
+MCORE_MODULES = {
+    "utils": "cloudckpt.utils",
+    "optimizer": "cloudckpt.optimizer",
+    "exchange_utils": "cloudckpt.exchange_utils",
+    "core": "cloudckpt.core",
+    "validation": "cloudckpt.validation",
+    "strategies/resharding": "cloudckpt.strategies.resharding",
+    "strategies/torch": "cloudckpt.strategies.torch",
+    "strategies/filesystem_async": "cloudckpt.strategies.filesystem_async",
+    "strategies/state_dict_saver": "cloudckpt.strategies.state_dict_saver",
+    "strategies/async_utils": "cloudckpt.strategies.async_utils",
+}
+# names docs/megatron-compat.md lists as "no" (with the reason there), or owned elsewhere
+NOT_PROVIDED = {
+    "cloudckpt.utils": {"__LOGGER_NAME_STACK", "__LOGGER_STACK"},
+    "cloudckpt.exchange_utils": {"_get_empty_tensor_for_exchange"},
+    "cloudckpt.validation": {
+        "validate_integrity_and_strict_load",
+        "verify_checkpoint_and_load_strategy",
+        "adjust_non_strict_load",
+        "_determine_missing_and_unexpected_keys",
+        "maybe_report_missing_and_unexpected_keys",
+        "_validate_common_state_dict",
+        "_validate_sharding_for_key",
+        "_compute_shards_access",
+        "_validate_sharding_for_key_flattened",
+        "_validate_objects_for_key",
+        "validate_sharded_objects_handling",
+    },
+    "cloudckpt.strategies.torch": {
+        "MSC_PREFIX",
+        "_metadata_fn",
+        "_unwrap_pyt_sharded_tensor",
+        "_replace_state_dict_keys_with_sharded_keys",
+        "_replace_sharded_keys_with_state_dict_keys",
+        "_restore_dict_types",
+        "_get_filesystem_reader",
+    },
+    "cloudckpt.strategies.filesystem_async": {
+        "WriteBucket",
+        "_results_queue",
+        "_get_write_results_queue",
+        "FileSystemWriterAsync.preload_tensors",
+        "FileSystemWriterAsync.write_preloaded_data_multiproc",
+        "FileSystemWriterAsync.write_preloaded_data",
+        "FileSystemWriterAsync.prepare_decentralized_global_plan",
+        "_split_by_size_and_type",
+        "_split_by_separation_hint",
+        "_item_size",
+        "_process_memory",
+    },
+    "cloudckpt.strategies.async_utils": {"PersistentAsyncCaller.async_loop", "_ActiveAsyncRequest"},
+}
+# parameters named differently (called positionally by Megatron-Core), see the doc
+RENAMED = {
+    "TorchDistLoadShardedStrategy.check_backend_compatibility",
+    "validate_sharding_integrity",
+}
+
+
+def _mcore_names(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | None]]:
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef):
+            yield node.name, None
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and not item.name.startswith("_"):
+                    yield f"{node.name}.{item.name}", item
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(target, ast.Name):
+                yield target.id, None
+
+
+def _mcore_params(fn: ast.FunctionDef) -> list[str]:
+    a = fn.args
+    names = [x.arg for x in a.posonlyargs + a.args]
+    names += [a.vararg.arg] if a.vararg else []
+    names += [x.arg for x in a.kwonlyargs] + ([a.kwarg.arg] if a.kwarg else [])
+    return [n for n in names if n not in ("self", "cls")]
+
+
+@pytest.fixture(scope="module")
+def mcore15_package() -> Path:
+    from tests.test_megatron_compat import _build  # noqa: PLC0415 - builds the cached env
+
+    env = _build("mcore-0.15")
+    found = sorted(env.venv.glob("lib/python*/site-packages/megatron/core/dist_checkpointing"))
+    assert found, env.venv
+    return found[0]
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("mcore_module", sorted(MCORE_MODULES))
+def test_every_megatron_015_name_is_provided(mcore15_package: Path, mcore_module: str) -> None:
+    ours_name = MCORE_MODULES[mcore_module]
+    tree = ast.parse((mcore15_package / f"{mcore_module}.py").read_text())
+    missing, mismatched, checked = [], [], 0
+    for name, fn in _mcore_names(tree):
+        if name in NOT_PROVIDED.get(ours_name, set()):
+            continue
+        try:
+            obj = _resolve(ours_name, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        checked += 1
+        if fn is None or name in RENAMED or not callable(obj):
+            continue  # data, a renamed parameter, or a property
+        ours_params = [p for p in inspect.signature(obj).parameters if p not in ("self", "cls")]
+        remaining = iter(ours_params)
+        if not all(p in remaining for p in _mcore_params(fn)):
+            mismatched.append((name, _mcore_params(fn), ours_params))
+    assert not missing and not mismatched, (missing, mismatched)
+    assert checked >= 3
+
+
+@pytest.mark.compat
+def test_megatron_core_015_imports_with_cloudckpt_in_place(
+    mcore15_package: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "redirect.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import importlib, importlib.abc, importlib.util, sys
+            PREFIX = "megatron.core.dist_checkpointing"
+
+            class Redirect(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+                def find_spec(self, name, path=None, target=None):
+                    if name == PREFIX or name.startswith(PREFIX + "."):
+                        return importlib.util.spec_from_loader(name, self)
+                    return None
+                def create_module(self, spec):
+                    return importlib.import_module("cloudckpt" + spec.name[len(PREFIX):])
+                def exec_module(self, module):
+                    pass
+
+            sys.meta_path.insert(0, Redirect())
+            import megatron.core
+            from megatron.core.transformer.transformer_layer import TransformerLayer
+            from megatron.core.optimizer import distrib_optimizer
+            from megatron.core.models.gpt import GPTModel
+            from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+            import cloudckpt.utils
+            assert replace_prefix_for_sharding is cloudckpt.utils.replace_prefix_for_sharding
+            print("IMPORTED", megatron.core.__version__)
+            """
+        )
+    )
+    python = mcore15_package.parents[5] / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [str(python), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+    assert proc.stdout.strip().splitlines()[-1:] == ["IMPORTED 0.15.3"], proc.stderr[-4000:]

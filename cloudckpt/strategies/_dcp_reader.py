@@ -48,6 +48,7 @@ def is_common_state_item(key: str) -> bool:
     (item ``common_state/shard_0_1``); older drafts used a bare ``common_state``."""
     return key == COMMON_STATE_ITEM or key.startswith(COMMON_STATE_ITEM + "/")
 
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
@@ -78,12 +79,18 @@ class DcpCheckpoint:
     Args:
         storage: the checkpoint.
         batch_bytes: upper bound on the item bytes fetched per batch of requests.
+        metadata: the checkpoint's ``.metadata`` when already read (else it is read).
     """
 
-    def __init__(self, storage: CheckpointStorage, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        metadata: Metadata | None = None,
+    ) -> None:
         self.storage = storage
         self.batch_bytes = batch_bytes
-        self.metadata: Metadata = read_metadata(storage)
+        self.metadata: Metadata = metadata if metadata is not None else read_metadata(storage)
 
     # -- metadata ---------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -225,11 +225,17 @@ class CloudStorageWriter(StorageWriter):
             self.results += self.storage.write_many([(o.path, o.payload()) for o in objects])
 
     def finish(self, metadata: Metadata, results: list[list[DcpWriteResult]]) -> None:
+        """Write ``.metadata`` as a plain DCP ``Metadata`` (a planner's subclass, such as
+        :class:`MCoreMetadata`, is unwrapped: no cloudckpt class is pickled into a
+        checkpoint that other readers must unpickle) with the merged ``mcore_data``."""
+        extra = {**(getattr(metadata, "mcore_data", None) or {}), **self.mcore_data}
+        if type(metadata) is not Metadata:
+            metadata = Metadata(**{f.name: getattr(metadata, f.name) for f in fields(Metadata)})
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
         metadata.storage_meta = self.storage_meta()
-        if self.mcore_data:
-            metadata.mcore_data = self.mcore_data  # type: ignore[attr-defined]
+        if extra:
+            metadata.mcore_data = extra  # type: ignore[attr-defined]
         self.metadata = metadata
         if self.write_metadata:
             self.results.append(self.storage.write(METADATA_FNAME, pickle.dumps(metadata)))
@@ -262,6 +268,44 @@ def merge_metadata(parts: list[Metadata]) -> Metadata:
     return merged
 
 
+@dataclass
+class MCoreMetadata(Metadata):
+    """DCP ``Metadata`` with Megatron-Core's per-tensor data (``mcore_data``).
+
+    Megatron-Core 0.15 pickles its ``.metadata`` as this class; cloudckpt reads such
+    files with or without Megatron-Core installed (:func:`read_metadata`) and writes
+    plain ``Metadata`` with an ``mcore_data`` attribute, which every Megatron-Core
+    version reads.
+    """
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class MCoreSavePlan(SavePlan):
+    """A DCP ``SavePlan`` carrying Megatron-Core's per-tensor data (``mcore_data``)."""
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+#: Where Megatron-Core defines the DCP classes it pickles into ``.metadata``.
+_MCORE_TORCH_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles ``.metadata``; Megatron-Core's classes resolve to cloudckpt's when
+    Megatron-Core cannot be imported (a checkpoint it wrote, read without it)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            local = {"MCoreMetadata": MCoreMetadata, "MCoreSavePlan": MCoreSavePlan}
+            if module == _MCORE_TORCH_MODULE and name in local:
+                return local[name]
+            raise
+
+
 def read_metadata(storage: CheckpointStorage) -> Metadata:
     """The checkpoint's DCP ``.metadata``.
 
@@ -276,7 +320,7 @@ def read_metadata(storage: CheckpointStorage) -> Metadata:
             f"checkpoint {storage.uri!r} has no {METADATA_FNAME} (PyTorch DCP metadata)"
         ) from exc
     try:
-        metadata = pickle.loads(raw)
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as exc:
         raise CheckpointingException(
             f"{storage.child_uri(METADATA_FNAME)} is not a PyTorch DCP metadata file: {exc}"

@@ -20,6 +20,7 @@ import io
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import fields
 from itertools import product
 from typing import Any
 
@@ -38,6 +39,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, 
 from cloudckpt import dist
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from cloudckpt.strategies._dcp_reader import ORIG_SHAPE_KEY
+from cloudckpt.strategies._dcp_storage import MCoreMetadata, MCoreSavePlan
 from cloudckpt.strategies.checkpointable import (
     CheckpointableShardedTensor,
     LocalShardsContainer,
@@ -51,12 +54,16 @@ OBJ_PATH = tuple[str | int, ...]
 
 
 class MCoreSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, except that ``BytesIO`` items (ShardedObjects,
-    already ``torch.save``-d) are written as they are, on every rank.
+    """DCP's default save planner, plus Megatron-Core's: ``BytesIO`` items (ShardedObjects,
+    already ``torch.save``-d) are written as they are, on every rank, and each rank's
+    ``mcore_data`` (original shapes of N-D flattened tensors) travels in its plan
+    (:class:`MCoreSavePlan`) into the global :class:`MCoreMetadata`.
 
     Args:
         dedup_replicated_tensors: accepted for Megatron-Core's signature; PyTorch >= 2.3
             always de-duplicates (cloudckpt passes only main replicas anyway).
+        nd_flattened_global_shapes: ``{key: original global shape}`` of N-D flattened
+            tensors (values with an ``mcore_metadata`` attribute bring their own).
         can_run_decentralized_global_plan: allow :meth:`create_decentralized_global_plan`
             (needs ``flatten_state_dict=False``).
     """
@@ -65,10 +72,12 @@ class MCoreSavePlanner(DefaultSavePlanner):
         self,
         *args: Any,
         dedup_replicated_tensors: bool | None = None,
+        nd_flattened_global_shapes: Mapping[str, tuple[int, ...]] | None = None,
         can_run_decentralized_global_plan: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.nd_flattened_global_shapes = dict(nd_flattened_global_shapes or {})
         self.can_run_decentralized_global_plan = can_run_decentralized_global_plan
         if can_run_decentralized_global_plan and (
             dedup_replicated_tensors or self.flatten_state_dict
@@ -77,6 +86,32 @@ class MCoreSavePlanner(DefaultSavePlanner):
                 "a decentralized global plan needs dedup_replicated_tensors and "
                 "flatten_state_dict off"
             )
+
+    def _mcore_data(self) -> dict[str, dict[str, Any]]:
+        data: dict[str, dict[str, Any]] = {}
+        for key, value in self.state_dict.items():
+            own = getattr(value, "mcore_metadata", None)
+            if own is not None:
+                data[key] = dict(own)
+            elif key in self.nd_flattened_global_shapes:
+                data[key] = {ORIG_SHAPE_KEY: tuple(self.nd_flattened_global_shapes[key])}
+        return data
+
+    def create_local_plan(self) -> SavePlan:
+        """DCP's local plan as an :class:`MCoreSavePlan` with this rank's ``mcore_data``."""
+        plan = super().create_local_plan()
+        values = {f.name: getattr(plan, f.name) for f in fields(plan)}
+        self.plan = MCoreSavePlan(**values, mcore_data=self._mcore_data())
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan; the metadata is an :class:`MCoreMetadata` merging every
+        rank's ``mcore_data``."""
+        global_plan, metadata = super().create_global_plan(all_plans)
+        merged: dict[str, dict[str, Any]] = {}
+        for plan in all_plans:
+            merged.update(getattr(plan, "mcore_data", None) or {})
+        return global_plan, MCoreMetadata(mcore_data=merged, **vars(metadata))
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """``BytesIO`` items as they are (already serialized); others as DCP does."""
@@ -114,6 +149,11 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
         self.shapes_validation_sharded_tensors = shapes_validation_sharded_tensors
         self.allow_shape_mismatch_sharded_tensors = allow_shape_mismatch_sharded_tensors
 
+    @staticmethod
+    def _expected_shape(sh_ten: ShardedTensor) -> tuple[int, ...]:
+        """The stored shape of ``sh_ten``: reformulated for an N-D flattened tensor."""
+        return tuple(dcp_global_shape(sh_ten))
+
     def _validate_global_shapes(
         self, metadata: Metadata, sharded_tensors: Iterable[ShardedTensor]
     ) -> None:
@@ -124,7 +164,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
                     f"{sh_ten.key} from model not in state dict:"
                     f" {sorted(metadata.state_dict_metadata)}"
                 )
-            expected = tuple(dcp_global_shape(sh_ten))
+            expected = self._expected_shape(sh_ten)
             if isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != expected:
                 raise CheckpointingException(
                     f"Global shape mismatch for loaded ({tuple(stored.size)}) and expected "
@@ -287,6 +327,7 @@ def sharded_tensor_to_torch_sharded_tensor(
         local, sharded_tensor_metadata=metadata, process_group=None
     )
     result.mcore_sh_ten = first.without_data()  # type: ignore[attr-defined]
+    result.mcore_metadata = {}  # type: ignore[attr-defined]
     return result
 
 
@@ -317,6 +358,8 @@ def _torch_sharded_metadata(
 
 __all__ = [
     "MCoreLoadPlanner",
+    "MCoreMetadata",
+    "MCoreSavePlan",
     "MCoreSavePlanner",
     "OBJ_PATH",
     "flatten_state_dict",
