@@ -22,6 +22,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
+from cloudckpt.errors import CheckpointingException
 from cloudckpt.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
@@ -86,12 +87,16 @@ class _CountingFS(LocalFileSystem):
         self.root = root.rstrip("/")
         self.written: Counter[str] = Counter()
         self.read: Counter[str] = Counter()
+        self.fail_reads = False  # reading a data object raises, as a lost store would
 
     def open(self, path: Any, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
         inner = super().open(path, mode, *args, **kwargs)
         relpath = posixpath.relpath(str(path), self.root)
         if posixpath.basename(relpath) in NOT_DATA or relpath.endswith(".zarray"):
             return inner
+        if self.fail_reads and "r" in mode:
+            inner.close()
+            raise PermissionError(f"access denied reading {relpath}")
         return _CountingFile(inner, self, relpath)
 
     def reset(self) -> None:
@@ -307,3 +312,24 @@ def test_single_process_wrappers_call_the_wrapped_strategy(tmp_path: Any) -> Non
     _check_loaded(loaded, 0, "dp4")
     with pytest.raises(ValueError, match="exchange_algo"):
         FullyParallelLoadStrategyWrapper(load, exchange_algo="carrier_pigeon")
+
+
+def _failing_read_scenario(rank: int, world: int, uri: str) -> str:
+    fs = _CountingFS(uri)
+    save, load = strategies("torch_dist", fs)
+    state = build_state(rank, "dp4", with_object=False)
+    cloudckpt.save(state, uri, sharded_strategy=FullyParallelSaveStrategyWrapper(save))
+    fs.fail_reads = rank == 2
+    request = build_state(rank, "dp4", empty=True, with_object=False)
+    with pytest.raises(CheckpointingException) as caught:
+        cloudckpt.load(request, uri, FullyParallelLoadStrategyWrapper(load))
+    return str(caught.value)
+
+
+def test_a_read_failing_on_one_rank_fails_the_load_on_every_rank(
+    rank_pool: Any, tmp_path: Any
+) -> None:
+    """Rank 2 cannot read its share: every rank raises (none waits in the exchange)."""
+    messages = rank_pool.run(_failing_read_scenario, str(tmp_path / "ckpt"))
+    for message in messages:
+        assert "rank 2" in message and "access denied" in message, message

@@ -112,7 +112,11 @@ def _local_structure(sharded_state_dict: ShardedStateDict) -> Structure:
 
 
 class _DistributionCache:
-    """A distribution reused while every rank's structure is the one it was computed for."""
+    """A distribution reused while every rank's structure is the one it was computed for.
+
+    A distribution set from outside (``wrapper.cached_distribution = d``, as Megatron-Core
+    allows) has no recorded structure and is trusted as it is, without the check.
+    """
 
     def __init__(self) -> None:
         self.distribution: ShardDistribution | None = None
@@ -123,10 +127,12 @@ class _DistributionCache:
         Collective over ``group`` once something is cached (one integer all-reduce)."""
         if self.distribution is None:
             return False
+        if self.structure is None:
+            return True
         changed = int(structure != self.structure)
         return dist.all_reduce_int(changed, op="max", group=group) == 0
 
-    def store(self, distribution: ShardDistribution | None, structure: Structure) -> None:
+    def store(self, distribution: ShardDistribution | None, structure: Structure | None) -> None:
         self.distribution, self.structure = distribution, structure
 
 
@@ -204,6 +210,10 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def cached_distribution(self) -> ShardDistribution | None:
         """The distribution kept for the next save (None: nothing cached)."""
         return self._cache.distribution
+
+    @cached_distribution.setter
+    def cached_distribution(self, distribution: ShardDistribution | None) -> None:
+        self._cache.store(distribution, None)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -336,11 +346,16 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         self.do_cache_distribution = do_cache_distribution
         self.exchange_algo = exchange_algo
         self._cache = _DistributionCache()
+        self.cached_global_metadata: Any = None  # Megatron-Core's attribute; unused here
 
     @property
     def cached_distribution(self) -> ShardDistribution | None:
         """The distribution kept for the next load (None: nothing cached)."""
         return self._cache.distribution
+
+    @cached_distribution.setter
+    def cached_distribution(self, distribution: ShardDistribution | None) -> None:
+        self._cache.store(distribution, None)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
