@@ -179,7 +179,29 @@ def distribute_main_replicas_with_precomputed_distribution(
             sh.replica_id = 0 if mine else 1
 
 
-class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
+class _WrappedStorageSettings:
+    """The storage settings a session reads from a strategy (``fs``, ``storage_options``,
+    ``config``): a wrapper's are those of the strategy it wraps."""
+
+    base_strategy: SaveShardedStrategy | LoadShardedStrategy
+
+    @property
+    def fs(self) -> Any:
+        """The wrapped strategy's filesystem, if it has one."""
+        return getattr(self.base_strategy, "fs", None)
+
+    @property
+    def storage_options(self) -> Any:
+        """The wrapped strategy's fsspec options, if it has them."""
+        return getattr(self.base_strategy, "storage_options", None)
+
+    @property
+    def config(self) -> Any:
+        """The wrapped strategy's CheckpointConfig, if it has one."""
+        return getattr(self.base_strategy, "config", None)
+
+
+class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveShardedStrategy):
     """Wraps a save strategy and spreads the writing of replicated shards over the
     ranks that hold them, balanced by bytes; only metadata is exchanged.
 
@@ -201,7 +223,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
         do_cache_distribution: bool = False,
     ) -> None:
         super().__init__(strategy.backend, strategy.version)
-        self.base_strategy = strategy
+        self.base_strategy: SaveShardedStrategy = strategy
         self.parallelization_group = _default_group(parallelization_group)
         self.do_cache_distribution = do_cache_distribution
         self._cache = _DistributionCache()
@@ -219,19 +241,6 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         """As the wrapped strategy."""
         return bool(self.base_strategy.can_handle_sharded_objects)
-
-    # storage settings a session reads from the strategy: the wrapped strategy's
-    @property
-    def fs(self) -> Any:
-        return getattr(self.base_strategy, "fs", None)
-
-    @property
-    def storage_options(self) -> Any:
-        return getattr(self.base_strategy, "storage_options", None)
-
-    @property
-    def config(self) -> Any:
-        return getattr(self.base_strategy, "config", None)
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
         """Choose which rank writes each shard and set the replica ids accordingly.
@@ -312,7 +321,7 @@ def _validate_distributed(sharded_state_dict: ShardedStateDict) -> None:
     validate_sharding_integrity(dist.all_gather_object(local))
 
 
-class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrategy):
     """Wraps a load strategy: each shard requested by several ranks of the group is
     read once, by one of them, and exchanged over ``torch.distributed``.
 
@@ -341,7 +350,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             raise ValueError(
                 f"unknown exchange_algo {exchange_algo!r}; expected one of {EXCHANGE_ALGOS}"
             )
-        self.base_strategy = strategy
+        self.base_strategy: LoadShardedStrategy = strategy
         self.parallelization_group = _default_group(parallelization_group)
         self.do_cache_distribution = do_cache_distribution
         self.exchange_algo = exchange_algo
@@ -361,18 +370,6 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         """As the wrapped strategy."""
         return bool(self.base_strategy.can_handle_sharded_objects)
-
-    @property
-    def fs(self) -> Any:
-        return getattr(self.base_strategy, "fs", None)
-
-    @property
-    def storage_options(self) -> Any:
-        return getattr(self.base_strategy, "storage_options", None)
-
-    @property
-    def config(self) -> Any:
-        return getattr(self.base_strategy, "config", None)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """As the wrapped strategy."""
