@@ -57,6 +57,7 @@ from cloudckpt.strategies.async_utils import (
     TemporalAsyncCaller,
     _disable_gc,
 )
+from cloudckpt.strategies.base import AsyncSaveShardedStrategy
 from cloudckpt.strategies.filesystem_async import FileSystemWriterAsync
 from cloudckpt.strategies.state_dict_saver import (
     save_state_dict_async_finalize,
@@ -522,6 +523,7 @@ def test_torch_dist_separation_hint_and_planner_names(tmp_path: Path) -> None:
         "torch_dist", 1, True, 4, False, "optimizer."
     )
     assert (strategy.thread_count, strategy.separation_hint) == (4, "optimizer.")
+    assert isinstance(strategy, AsyncSaveShardedStrategy)  # as Megatron-Core's
     state = {
         "w": ShardedTensor.from_rank_offsets("model.w", torch.ones(4)),
         "m": ShardedTensor.from_rank_offsets("optimizer.state.m", torch.zeros(4)),
