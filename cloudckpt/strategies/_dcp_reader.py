@@ -48,6 +48,7 @@ def is_common_state_item(key: str) -> bool:
     (item ``common_state/shard_0_1``); older drafts used a bare ``common_state``."""
     return key == COMMON_STATE_ITEM or key.startswith(COMMON_STATE_ITEM + "/")
 
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
@@ -81,6 +82,7 @@ class DcpCheckpoint:
         weights_only: unpickle ``.metadata`` and objects restricted (True), without
             restriction (False) or as the scope / environment says (None; see
             :mod:`cloudckpt.safe_pickle`).
+        metadata: the checkpoint's ``.metadata`` when already read (else it is read).
     """
 
     def __init__(
@@ -88,11 +90,14 @@ class DcpCheckpoint:
         storage: CheckpointStorage,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         weights_only: bool | None = None,
+        metadata: Metadata | None = None,
     ) -> None:
         self.storage = storage
         self.batch_bytes = batch_bytes
         self.weights_only = weights_only
-        self.metadata: Metadata = read_metadata(storage, weights_only)
+        self.metadata: Metadata = (
+            metadata if metadata is not None else read_metadata(storage, weights_only)
+        )
 
     # -- metadata ---------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -120,6 +120,9 @@ class CloudStorageWriter(StorageWriter):
             checkpoint; with ``write_metadata=False`` the coordinator keeps the
             ``Metadata`` in :attr:`metadata` instead of writing ``.metadata``
             (:func:`merge_metadata` then combines the parts).
+        separation_hint: items whose key starts with it go to objects of their own,
+            after the other items (Megatron-Core's ``separation_hint``: e.g. the
+            optimizer state apart from the model weights).
     """
 
     def __init__(
@@ -131,8 +134,10 @@ class CloudStorageWriter(StorageWriter):
         *,
         part: str = "",
         write_metadata: bool = True,
+        separation_hint: str | None = None,
     ) -> None:
         super().__init__()
+        self.separation_hint = separation_hint
         self.part = part
         self.write_metadata = write_metadata
         self.metadata: Metadata | None = None
@@ -182,16 +187,23 @@ class CloudStorageWriter(StorageWriter):
     def _objects(
         self, prefix: str, items: list[WriteItem], planner: SavePlanner
     ) -> Iterator[tuple[_Object, list[DcpWriteResult]]]:
-        """Pack the items into objects of about ``object_size`` bytes, in plan order."""
+        """Pack the items into objects of about ``object_size`` bytes, in plan order
+        (the items of the separation hint after the others, in objects of their own)."""
         count = 0
         obj: _Object | None = None
         results: list[DcpWriteResult] = []
-        for item in items:
+        hint = self.separation_hint
+        grouped = sorted(items, key=lambda it: bool(hint) and it.index.fqn.startswith(hint or ""))
+        group = False
+        for item in grouped:
             data = planner.resolve_data(item)
             estimate = _estimated_size(data)
-            if obj is not None and obj.size and obj.size + estimate > self.object_size:
+            separated = bool(hint) and item.index.fqn.startswith(hint or "")
+            full = obj is not None and obj.size and obj.size + estimate > self.object_size
+            if obj is not None and (full or separated != group):
                 yield obj, results
                 obj, results = None, []
+            group = separated
             if obj is None:
                 obj = _Object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"))
                 count += 1
@@ -215,11 +227,17 @@ class CloudStorageWriter(StorageWriter):
             self.results += self.storage.write_many([(o.path, o.payload()) for o in objects])
 
     def finish(self, metadata: Metadata, results: list[list[DcpWriteResult]]) -> None:
+        """Write ``.metadata`` as a plain DCP ``Metadata`` (a planner's subclass, such as
+        :class:`MCoreMetadata`, is unwrapped: no cloudckpt class is pickled into a
+        checkpoint that other readers must unpickle) with the merged ``mcore_data``."""
+        extra = {**(getattr(metadata, "mcore_data", None) or {}), **self.mcore_data}
+        if type(metadata) is not Metadata:
+            metadata = Metadata(**{f.name: getattr(metadata, f.name) for f in fields(Metadata)})
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
         metadata.storage_meta = self.storage_meta()
-        if self.mcore_data:
-            metadata.mcore_data = self.mcore_data  # type: ignore[attr-defined]
+        if extra:
+            metadata.mcore_data = extra  # type: ignore[attr-defined]
         self.metadata = metadata
         if self.write_metadata:
             self.results.append(self.storage.write(METADATA_FNAME, pickle.dumps(metadata)))
@@ -252,6 +270,38 @@ def merge_metadata(parts: list[Metadata]) -> Metadata:
     return merged
 
 
+@dataclass
+class MCoreMetadata(Metadata):
+    """DCP ``Metadata`` with Megatron-Core's per-tensor data (``mcore_data``).
+
+    Megatron-Core 0.15 pickles its ``.metadata`` as this class; cloudckpt reads such
+    files with or without Megatron-Core installed (:func:`read_metadata`) and writes
+    plain ``Metadata`` with an ``mcore_data`` attribute, which every Megatron-Core
+    version reads.
+    """
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class MCoreSavePlan(SavePlan):
+    """A DCP ``SavePlan`` carrying Megatron-Core's per-tensor data (``mcore_data``)."""
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+#: Where Megatron-Core defines the DCP classes it pickles into ``.metadata``.
+_MCORE_TORCH_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+#: Megatron-Core's classes, read as cloudckpt's when Megatron-Core is not importable
+#: (trusted) and always when restricted (they carry only metadata).
+_MCORE_ALIASES: dict[tuple[str, str], Any] = {
+    (_MCORE_TORCH_MODULE, "MCoreMetadata"): MCoreMetadata,
+    (_MCORE_TORCH_MODULE, "MCoreSavePlan"): MCoreSavePlan,
+}
+
+
 def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) -> Metadata:
     """The checkpoint's DCP ``.metadata``, unpickled restricted to DCP's metadata types
     unless trusted (:mod:`cloudckpt.strategies._dcp_unpickler`).
@@ -269,7 +319,7 @@ def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) 
             f"checkpoint {storage.uri!r} has no {METADATA_FNAME} (PyTorch DCP metadata)"
         ) from exc
     try:
-        metadata = load_dcp_metadata(raw, where, weights_only)
+        metadata = load_dcp_metadata(raw, where, weights_only, _MCORE_ALIASES)
     except UnsafePickleError:
         raise
     except Exception as exc:

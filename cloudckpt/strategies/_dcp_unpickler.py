@@ -5,7 +5,8 @@ metadata types (``Metadata``, ``TensorStorageMetadata``, ``ChunkStorageMetadata`
 ``BytesStorageMetadata``, ``TensorProperties`` and its memory-format enum,
 ``MetadataIndex``, ``StorageMeta``, ``_StorageInfo``), ``torch.Size``, torch dtypes,
 layouts (and ``torch.serialization._get_layout``, which looks one up by name) and memory
-formats, ``pathlib`` paths, a few builtins, plus whatever
+formats, ``pathlib`` paths, a few builtins, Megatron-Core 0.15's ``MCoreMetadata`` /
+``MCoreSavePlan`` (read as cloudckpt's dataclasses of the same fields), plus whatever
 :func:`cloudckpt.add_safe_globals` allowed. It imports nothing: a name not in the
 table raises :class:`~cloudckpt.errors.UnsafePickleError` before anything is called.
 It reads what cloudckpt, Megatron-Core's torch_dist backend and
@@ -23,6 +24,7 @@ import functools
 import io
 import pathlib
 import pickle
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -60,12 +62,15 @@ def _dcp_globals() -> dict[tuple[str, str], Any]:
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that resolves globals from the table above only (never imports)."""
 
-    def __init__(self, file: io.BytesIO, where: str) -> None:
+    def __init__(
+        self, file: io.BytesIO, where: str, aliases: Mapping[tuple[str, str], Any]
+    ) -> None:
         super().__init__(file)
         self.where = where
+        self.aliases = aliases
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _dcp_globals().get((module, name))
+        found = _dcp_globals().get((module, name)) or self.aliases.get((module, name))
         if found is None:
             found = allowed_globals().get(f"{module}.{name}")
         if found is None:
@@ -78,13 +83,38 @@ class MetadataUnpickler(pickle.Unpickler):
         raise unsafe_pickle_error(self.where, WHAT, "", "a persistent id, which DCP never writes")
 
 
-def load_dcp_metadata(raw: bytes, where: str, weights_only: bool | None = None) -> Any:
+class _TrustedUnpickler(pickle.Unpickler):
+    """The opt-out: any global, with ``aliases`` for classes that cannot be imported
+    (Megatron-Core's, in a checkpoint it wrote, read without it installed)."""
+
+    def __init__(self, file: io.BytesIO, aliases: Mapping[tuple[str, str], Any]) -> None:
+        super().__init__(file)
+        self.aliases = aliases
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            if (module, name) in self.aliases:
+                return self.aliases[module, name]
+            raise
+
+
+def load_dcp_metadata(
+    raw: bytes,
+    where: str,
+    weights_only: bool | None = None,
+    aliases: Mapping[tuple[str, str], Any] | None = None,
+) -> Any:
     """Unpickle ``.metadata`` bytes: restricted (see the module) unless trusted.
+
+    ``aliases`` maps ``(module, name)`` to a local class: allowed when restricted, and
+    the fallback when trusted and the name cannot be imported.
 
     Raises:
         UnsafePickleError: restricted, and the pickle names a global outside the table.
         Exception: whatever unpickling malformed bytes raises.
     """
     if not resolve_weights_only(weights_only):
-        return pickle.loads(raw)
-    return MetadataUnpickler(io.BytesIO(raw), where).load()
+        return _TrustedUnpickler(io.BytesIO(raw), aliases or {}).load()
+    return MetadataUnpickler(io.BytesIO(raw), where, aliases or {}).load()
