@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import enum
+import importlib
 import io
 import os
 import pickle
@@ -134,7 +135,11 @@ def _numpy_safe_globals() -> list[Any]:
         import numpy as np  # noqa: PLC0415 - optional
     except ImportError:
         return []
-    core = getattr(np, "_core", None) or np.core
+    # numpy 2 renamed numpy.core to numpy._core (numpy 1.26 has a partial numpy._core).
+    major = int(np.__version__.split(".", 1)[0])
+    multiarray = importlib.import_module(
+        "numpy._core.multiarray" if major >= 2 else "numpy.core.multiarray"
+    )
     out: list[Any] = [np.dtype, np.ndarray]
     out += [
         cls
@@ -142,7 +147,7 @@ def _numpy_safe_globals() -> list[Any]:
         if isinstance(cls, type) and issubclass(cls, np.dtype)
     ]
     for name in ("scalar", "_reconstruct"):
-        fn = getattr(core.multiarray, name)
+        fn = getattr(multiarray, name)
         out += [(fn, f"numpy.core.multiarray.{name}"), (fn, f"numpy._core.multiarray.{name}")]
     return out
 

@@ -1,7 +1,8 @@
 """Reading DCP ``.metadata`` (a plain pickle of a ``Metadata``) without running its code.
 
 :class:`MetadataUnpickler` resolves a pickle's globals from a fixed table of DCP's
-metadata types (``Metadata``, ``TensorStorageMetadata``, ``ChunkStorageMetadata``,
+metadata types and ``planner.py``'s data classes (``Metadata``, ``SavePlan``,
+``TensorStorageMetadata``, ``ChunkStorageMetadata``,
 ``BytesStorageMetadata``, ``TensorProperties`` and its memory-format enum,
 ``MetadataIndex``, ``StorageMeta``, ``_StorageInfo``), ``torch.Size``, torch dtypes,
 layouts (and ``torch.serialization._get_layout``, which looks one up by name) and memory
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from cloudckpt.safe_pickle import allowed_globals, resolve_weights_only, unsafe_pickle_error
@@ -40,11 +42,13 @@ _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 @functools.cache
 def _dcp_globals() -> dict[tuple[str, str], Any]:
     """``{(module, name): object}`` a ``.metadata`` pickle may name."""
+    # Megatron-Core 0.19 also pickles its cached SavePlan (planner.py's dataclasses).
     classes: list[Any] = [
         obj
-        for obj in vars(dcp_metadata).values()
+        for module in (dcp_metadata, dcp_planner)
+        for obj in vars(module).values()
         if isinstance(obj, type)
-        and obj.__module__ == dcp_metadata.__name__
+        and obj.__module__ == module.__name__
         and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
     ]
     classes += [_StorageInfo, torch.Size, collections.OrderedDict]
