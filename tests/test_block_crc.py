@@ -442,3 +442,45 @@ def test_tp2_saved_tp4_loaded_through_a_corrupting_proxy(
     assert all(r["corrupt"] for r in results), results
     assert any("rank " in r["message"] and "bytes " in r["message"] for r in results), results
     proxy.clear()
+
+
+# -- verify --deep, and an odd part size ------------------------------------------------
+
+
+def test_verify_deep_checks_the_recorded_block_crcs(tmp_path: Any) -> None:
+    uri = str(tmp_path / "ckpt")
+    _save(uri, "zarr")
+    assert cloudckpt.verify(uri, deep=True).ok
+    storage = CheckpointStorage(uri)
+    manifest = Manifest.from_json(storage.read(MANIFEST_FNAME))
+    big = next(e for e in manifest.objects if e.blocks is not None)
+    assert big.blocks is not None
+    packed = bytearray(big.blocks.packed)
+    packed[4 * 2] ^= 0xFF  # block 2's CRC recorded wrongly; the object CRC still right
+    wrong = dataclasses.replace(big, blocks=BlockCrcs(big.blocks.block_size, bytes(packed)))
+    objects = tuple(wrong if e.path == big.path else e for e in manifest.objects)
+    storage.write(MANIFEST_FNAME, dataclasses.replace(manifest, objects=objects).to_json())
+    report = cloudckpt.verify(uri, deep=True)
+    assert [(p.kind, p.path) for p in report.problems] == [("checksum-mismatch", big.path)]
+    assert "blocks [2]" in report.problems[0].detail
+
+
+@pytest.mark.parametrize("case", S3_CASES)
+def test_an_odd_part_size_makes_each_part_one_block(
+    request: pytest.FixtureRequest, case: str
+) -> None:
+    """gcd(part size, 1 MiB) = 8 bytes: blocks are whole parts instead, and ranged
+    reads are still checked against them."""
+    bucket_uri, options = bucket_location(request, case)
+    part = 5 * MiB + 1000
+    storage = CheckpointStorage(
+        f"{bucket_uri}/odd", storage_options=options, config=CheckpointConfig(part_size=part)
+    )
+    data = os.urandom(2 * part + 12345)
+    entry = storage.write("obj", data)  # a multipart upload of three parts
+    assert entry.crc32c == crc32c_lib.crc32c(data)
+    assert entry.blocks is not None and entry.blocks.block_size == part
+    expected = [crc32c_lib.crc32c(data[i : i + part]) for i in range(0, len(data), part)]
+    assert [entry.blocks.crc(i) for i in range(3)] == expected
+    reader = storage.with_expected({"obj": entry})
+    assert reader.read("obj", part - 10, part + 10) == data[part - 10 : part + 10]
