@@ -267,7 +267,8 @@ def _checksum_problems(
 
     def check(entry: ManifestEntry) -> tuple[Problem | None, int]:
         try:
-            result = storage.checksum(entry.path, entry.size)
+            block_size = entry.blocks.block_size if entry.blocks is not None else None
+            result = storage.checksum(entry.path, entry.size, block_size)
         except CheckpointNotFoundError:
             return Problem("missing-object", entry.path, "deleted while being verified"), 0
         if progress is not None:
@@ -278,6 +279,9 @@ def _checksum_problems(
             return Problem("size-mismatch", entry.path, detail), result.size
         if result.crc32c != entry.crc32c:
             detail = f"CRC-32C {result.crc32c:#010x}, manifest {entry.crc32c:#010x}"
+            return Problem("checksum-mismatch", entry.path, detail), result.size
+        if result.blocks != entry.blocks:  # a manifest whose block CRCs are wrong
+            detail = f"block CRC-32Cs differ from the manifest's: {_bad_blocks(result, entry)}"
             return Problem("checksum-mismatch", entry.path, detail), result.size
         return None, result.size
 
@@ -293,6 +297,14 @@ def _checksum_problems(
         storage.uri,
     )
     return [p for p, _ in found if p is not None], checked
+
+
+def _bad_blocks(result: ManifestEntry, entry: ManifestEntry) -> str:
+    """The first blocks whose CRC-32C the manifest records wrongly."""
+    if result.blocks is None or entry.blocks is None or len(result.blocks) != len(entry.blocks):
+        return "a different number of blocks"
+    bad = [i for i in range(len(entry.blocks)) if result.blocks.crc(i) != entry.blocks.crc(i)]
+    return f"blocks {bad[:5]} of {len(entry.blocks)}"
 
 
 def _log_report(report: ConsistencyReport) -> None:

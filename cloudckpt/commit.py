@@ -37,6 +37,7 @@ from cloudckpt.errors import (
 from cloudckpt.manifest import (
     CLAIM_FNAME,
     MANIFEST_FNAME,
+    MANIFEST_VERSION,
     Manifest,
     ManifestEntry,
     TensorEntry,
@@ -205,7 +206,11 @@ def amend_manifest(
         if e.path not in gone and not any(e.path.startswith(d + "/") for d in gone)
     ) + tuple(new.values())
     tensors = tuple(t for t in manifest.tensors if t.key not in set(removed_tensors))
-    amended = dataclasses.replace(manifest, objects=objects, tensors=tensors)
+    # in the current version: rewritten objects come with block CRCs (a version-1
+    # manifest's other entries have none, and are read as before)
+    amended = dataclasses.replace(
+        manifest, objects=objects, tensors=tensors, version=MANIFEST_VERSION
+    )
     storage.write(MANIFEST_FNAME, amended.to_json())
     logger.info("amended %s: %d objects", storage.child_uri(MANIFEST_FNAME), len(objects))
 

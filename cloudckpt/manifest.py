@@ -23,12 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.storage.blocks import BlockCrcs
 from cloudckpt.storage.types import WriteResult
 
 MANIFEST_FNAME = "manifest.json"
 CLAIM_FNAME = ".cloudckpt-claim.json"
 MANIFEST_FORMAT = "cloudckpt-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 2 adds block CRCs to objects larger than one block (``[path, size, crc,
+block_size, base64 of the packed block CRCs]``); version 1 lists ``[path, size, crc]``
+only, and still loads (its ranged reads are checked against sizes only)."""
 
 
 class ManifestError(CheckpointingException, ValueError):
@@ -36,8 +41,9 @@ class ManifestError(CheckpointingException, ValueError):
 
 
 ManifestEntry = WriteResult
-"""One stored object: path relative to the checkpoint root, size, CRC-32C. The same type
-as a write's result: what a rank measured while writing is what the manifest records."""
+"""One stored object: path relative to the checkpoint root, size, CRC-32C and block
+CRCs. The same type as a write's result: what a rank measured while writing is what
+the manifest records."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +106,7 @@ class Manifest:
             "backends": dict(self.backends),
             "common_keys": list(self.common_keys),
             "tensors": [_tensor_doc(t) for t in self.tensors],
-            "objects": [[e.path, e.size, e.crc32c] for e in self.objects],
+            "objects": [_entry_doc(e, self.version) for e in self.objects],
         }
         return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
@@ -119,23 +125,51 @@ class Manifest:
             doc = json.loads(raw)
             if doc.get("format") != MANIFEST_FORMAT:
                 raise ManifestError(f"{where} is not a cloudckpt manifest")
-            if doc.get("version") != MANIFEST_VERSION:
+            version = doc.get("version")
+            if version not in READABLE_VERSIONS:
                 raise ManifestError(
-                    f"{where} has manifest version {doc.get('version')!r}; this cloudckpt "
-                    f"reads version {MANIFEST_VERSION}"
+                    f"{where} has manifest version {version!r}; this cloudckpt reads "
+                    f"versions {', '.join(map(str, READABLE_VERSIONS))}"
                 )
             return cls(
-                objects=tuple(ManifestEntry(str(p), int(s), int(c)) for p, s, c in doc["objects"]),
+                objects=tuple(_entry_from_doc(e, version) for e in doc["objects"]),
                 tensors=tuple(_tensor_from_doc(t) for t in doc["tensors"]),
                 common_keys=tuple(str(k) for k in doc["common_keys"]),
                 world_size=int(doc["world_size"]),
                 created=str(doc["created"]),
                 backends=dict(doc["backends"]),
+                version=version,
             )
         except ManifestError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc
+
+
+def _entry_doc(entry: ManifestEntry, version: int) -> list[Any]:
+    doc: list[Any] = [entry.path, entry.size, entry.crc32c]
+    if entry.blocks is not None and version >= 2:
+        doc += [entry.blocks.block_size, entry.blocks.to_base64()]
+    return doc
+
+
+def _entry_from_doc(doc: list[Any], version: int) -> ManifestEntry:
+    """``[path, size, crc]``, or (version 2) with ``block_size`` and the block CRCs."""
+    if len(doc) == 3 or (version >= 2 and len(doc) == 5):
+        path, size, crc = str(doc[0]), int(doc[1]), int(doc[2])
+    else:
+        raise ValueError(f"object entry {doc!r} has {len(doc)} fields")
+    if not 0 <= crc < 2**32 or size < 0:
+        raise ValueError(f"object entry {doc!r} has a negative size or a CRC out of range")
+    if len(doc) == 3:
+        return ManifestEntry(path, size, crc)
+    blocks = BlockCrcs.from_base64(int(doc[3]), str(doc[4]))
+    if not blocks.covers(size):
+        raise ValueError(
+            f"object {path!r}: {len(blocks)} block CRCs of {blocks.block_size} bytes do not "
+            f"cover its {size} bytes"
+        )
+    return ManifestEntry(path, size, crc, blocks)
 
 
 def _tensor_doc(t: TensorEntry) -> dict[str, Any]:

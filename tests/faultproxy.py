@@ -17,6 +17,7 @@ random draw, optionally restricted by method, path, ranged GETs, and a count lim
         proxy.delay(5.0)                          # every response 5 s late
         proxy.truncate(0.5, ranged_only=True)     # half the ranged GETs cut short
         proxy.corrupt(1.0)                        # one byte of every GET body flipped
+        proxy.corrupt(1.0, offset=0)              # ... the first one
         proxy.kill(); proxy.revive()              # the server dies, and comes back
         proxy.clear()
         proxy.stats()                             # requests seen, faults injected
@@ -71,6 +72,8 @@ class Rule:
         status: the error status of ``"status"`` rules.
         retry_after: the ``Retry-After`` header value of ``"status"`` rules (None: none).
         seconds: the delay of ``"delay"`` rules.
+        offset: the byte of the body a ``"corrupt"`` rule flips (None: the middle one;
+            past the end: the last one).
     """
 
     kind: str
@@ -82,6 +85,7 @@ class Rule:
     status: int = 503
     retry_after: str | None = None
     seconds: float = 0.0
+    offset: int | None = None
 
     def matches(self, request: Request) -> bool:
         return (
@@ -243,10 +247,18 @@ class FaultProxy:
         match.setdefault("methods", {"GET"})
         self.set_rule(_rule("truncate", fraction, match, ranged_only=ranged_only))
 
-    def corrupt(self, fraction: float, *, ranged_only: bool = False, **match: object) -> None:
-        """Flip the bits of the middle byte of a GET response's body."""
+    def corrupt(
+        self,
+        fraction: float,
+        *,
+        ranged_only: bool = False,
+        offset: int | None = None,
+        **match: object,
+    ) -> None:
+        """Flip the bits of one byte of a GET response's body: the one at ``offset``
+        (the last one when the body is shorter), or the middle one."""
         match.setdefault("methods", {"GET"})
-        self.set_rule(_rule("corrupt", fraction, match, ranged_only=ranged_only))
+        self.set_rule(_rule("corrupt", fraction, match, ranged_only=ranged_only, offset=offset))
 
     def stats(self) -> ProxyStats:
         with self._lock:
@@ -384,7 +396,8 @@ class FaultProxy:
                 return True
             kind = rule.kind if rule is not None else None
             if kind in {"truncate", "corrupt", "reset"} and "content-length" in headers:
-                return _relay_faulty(up_reader, client, int(headers["content-length"]), kind)
+                length = int(headers["content-length"])
+                return _relay_faulty(up_reader, client, length, kind, _flip_at(rule, length))
             complete = _relay_body(up_reader, client, headers, until_close=True)
             return complete and headers.get("connection", "").lower() != "close"
 
@@ -514,11 +527,21 @@ def _send(out: socket.socket | None, data: bytes) -> None:
         out.sendall(data)
 
 
-def _relay_faulty(reader: BinaryIO, client: socket.socket, length: int, kind: str) -> bool:
-    """Relay a ``length``-byte response body with ``kind``'s fault; False: close."""
+def _flip_at(rule: Rule | None, length: int) -> int:
+    """The byte of a ``length``-byte body a corrupt rule flips."""
+    if rule is None or rule.offset is None:
+        return length // 2
+    return max(0, min(rule.offset, length - 1))
+
+
+def _relay_faulty(
+    reader: BinaryIO, client: socket.socket, length: int, kind: str, flip: int
+) -> bool:
+    """Relay a ``length``-byte response body with ``kind``'s fault (``corrupt``: the
+    byte at ``flip``); False: close."""
     half = length // 2
     if kind == "corrupt":
-        first = reader.read(half) if half else b""
+        first = reader.read(flip) if flip else b""
         middle = reader.read(1)
         client.sendall(first + bytes(b ^ 0xFF for b in middle))
         _copy(reader, client, length - len(first) - len(middle))

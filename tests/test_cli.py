@@ -121,7 +121,7 @@ def test_ls_json_and_an_empty_prefix(run_dir: Path, tmp_path: Path) -> None:
     assert [r["iteration"] for r in records] == [10, 20, 30]
     assert [r["state"] for r in records] == ["committed", "committed", "uncommitted"]
     manifest = json.loads((run_dir / "iter_0000010" / "manifest.json").read_text())
-    assert records[0]["size"] == sum(size for _, size, _ in manifest["objects"])
+    assert records[0]["size"] == sum(entry[1] for entry in manifest["objects"])
     assert records[0]["uri"] == f"{run_dir}/iter_0000010"
     assert records[0]["world_size"] == 1 and records[0]["created"] == manifest["created"]
 

@@ -6,7 +6,7 @@ protocol). :class:`CheckpointStorage` binds such a URI to a filesystem and a roo
 path and offers the operations the strategies and the commit protocol need, on paths
 *relative* to the checkpoint root: :meth:`~CheckpointStorage.write` /
 :meth:`~CheckpointStorage.write_many` return a :class:`WriteResult` (path, size,
-CRC-32C of the bytes that went out); :meth:`~CheckpointStorage.read`,
+CRC-32C of the bytes that went out, and of each of their blocks); :meth:`~CheckpointStorage.read`,
 :meth:`~CheckpointStorage.read_many` (byte ranges) and
 :meth:`~CheckpointStorage.read_into_many` (straight into tensor memory);
 :meth:`~CheckpointStorage.exists`, :meth:`~CheckpointStorage.list`,
@@ -24,7 +24,8 @@ uploads in ``part_size`` chunks (:mod:`.transport`).
 
 Modules: :mod:`.location` (URI -> filesystem, root, kind; key validation),
 :mod:`.transport` and :mod:`.s3` (one transport per kind of store), :mod:`.pool`
-(requests in flight), :mod:`.checked` (manifest-checked reads), :mod:`.edge` (error
+(requests in flight), :mod:`.checked` (manifest-checked reads), :mod:`.blocks` (block
+CRCs: a CRC-32C per 1 MiB block, so ranged reads are checked too), :mod:`.edge` (error
 translation), :mod:`.listing`, :mod:`.reads`, :mod:`.admin`, :mod:`.checkpoint` (the
 facade), :mod:`.buffers` (pure byte helpers), :mod:`.types`.
 """

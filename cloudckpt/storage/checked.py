@@ -1,6 +1,9 @@
-"""Reads checked against a manifest: what it recorded of each object (size, CRC-32C)
-is compared with what a read returns, at no extra I/O (a whole object's bytes are
-checksummed as they arrive; a range is checked against the recorded size)."""
+"""Reads checked against a manifest: what it recorded of each object (size, CRC-32C,
+block CRCs) is compared with what a read returns. A whole object's bytes are checked
+against its CRC-32C; a range against the CRC-32C of every block it covers (the reader
+widens it to those blocks, :mod:`.blocks`); an object of at most one block is its own
+single block. Only ranges of large objects of a version-1 manifest (no block CRCs) are
+checked against the recorded size alone."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from cloudckpt.errors import CheckpointNotFoundError, CorruptObjectError, StorageError
-from cloudckpt.storage.buffers import crc32c
+from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, bad_blocks
+from cloudckpt.storage.buffers import Buffer, as_bytes_view, crc32c
+from cloudckpt.storage.retry import current_rank
 from cloudckpt.storage.types import ReadRequest, WriteResult
 
 
@@ -37,15 +42,71 @@ class Expected:
             return
         if data.nbytes != entry.size:
             raise CorruptObjectError(
-                f"{self.child_uri(relpath)} has {data.nbytes} bytes; the manifest recorded "
-                f"{entry.size}"
+                f"{self.child_uri(relpath)} has {data.nbytes} bytes (read on rank "
+                f"{current_rank()}); the manifest recorded {entry.size}"
             )
         actual = crc32c(data)
         if actual != entry.crc32c:
             raise CorruptObjectError(
-                f"{self.child_uri(relpath)}: CRC-32C {actual:#010x} differs from the "
-                f"manifest's {entry.crc32c:#010x}; the object is corrupt"
+                f"{self.child_uri(relpath)}: CRC-32C {actual:#010x} of bytes 0-{entry.size} "
+                f"(the whole object, read on rank {current_rank()}) differs from the "
+                f"manifest's {entry.crc32c:#010x}; the object is corrupt or was damaged in "
+                "transit"
             )
+
+    def blocks_of(self, relpath: str) -> BlockCrcs | None:
+        """The blocks a ranged read of ``relpath`` is checked against: the manifest's
+        block CRCs; for an object of at most one block, that one block (its CRC is the
+        object's); None for an unlisted object or a large one of a version-1 manifest."""
+        entry = self.entries.get(relpath)
+        if entry is None:
+            return None
+        if entry.blocks is not None:
+            return entry.blocks
+        if entry.size > BLOCK_SIZE:
+            return None
+        return BlockCrcs.of(max(entry.size, 1), [entry.crc32c] if entry.size else [])
+
+    def check_blocks(self, relpath: str, offset: int, data: Buffer) -> None:
+        """Raise unless every block of ``data`` (whole blocks of ``relpath`` from block
+        boundary ``offset``) has the CRC-32C the manifest recorded for it."""
+        blocks = self.blocks_of(relpath)
+        if blocks is None:
+            return
+        view = as_bytes_view(data)
+        bad = bad_blocks(view, offset, blocks)
+        if not bad:
+            return
+        size = blocks.block_size
+        first = bad[0] * size
+        block = view[first - offset : first - offset + size]
+        raise CorruptObjectError(
+            f"{self.child_uri(relpath)}: bytes {first}-{first + block.nbytes} (block "
+            f"{bad[0]} of {len(blocks)}, {size}-byte blocks) read on rank {current_rank()} "
+            f"have CRC-32C {crc32c(block):#010x}; the manifest recorded "
+            f"{blocks.crc(bad[0]):#010x}; the object is corrupt or was damaged in transit"
+            + (f" ({len(bad)} blocks differ)" if len(bad) > 1 else "")
+        )
+
+    def check_length(self, relpath: str, start: int, expected: int, got: int) -> None:
+        """Raise when a ranged read returned ``got`` bytes instead of ``expected``."""
+        if got != expected:
+            raise CorruptObjectError(
+                f"{self.child_uri(relpath)}: read {got} bytes at offset {start} on rank "
+                f"{current_rank()}, expected {expected}; the object is truncated"
+            )
+
+    def checks_blocks(self, request: ReadRequest) -> bool:
+        """A non-empty range of a listed object that is not all of it, to be checked
+        against its blocks (whole reads are checked against the object's CRC-32C;
+        with ``verify_checksums`` objects are read whole)."""
+        size = self.size(request.path)
+        if size is None or self.verify_checksums:
+            return False
+        end = size if request.end is None else request.end
+        whole = request.start == 0 and end == size
+        inside = request.start < end <= size
+        return inside and not whole and self.blocks_of(request.path) is not None
 
     def check_range(self, relpath: str, start: int, end: int) -> None:
         """Raise when ``[start, end)`` goes past the object's recorded size."""

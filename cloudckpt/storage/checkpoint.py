@@ -24,6 +24,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.storage.admin import StorageAdmin
+from cloudckpt.storage.blocks import block_size_for, object_checksum
 from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view, crc32c, plan_parts
 from cloudckpt.storage.checked import Expected
 from cloudckpt.storage.edge import PRECONDITION_FAILED, error_code, io_errors, translate
@@ -129,7 +130,7 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         if not exclusive:
             return self.write_many([(relpath, data)])[0]
         view = as_bytes_view(data)
-        checksum = crc32c(view)
+        checksum, blocks = object_checksum(view)
         try:
             self.transport.create(self.full_path(relpath), view, checksum)
         except FileExistsError as exc:
@@ -139,7 +140,7 @@ class CheckpointStorage(StorageReads, StorageAdmin):
                 raise translate(exc, f"failed to create {self.child_uri(relpath)}: {exc}") from exc
             if not self._is_our_object(relpath, view.nbytes, checksum):
                 raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
-        return WriteResult(relpath, view.nbytes, checksum)
+        return WriteResult(relpath, view.nbytes, checksum, blocks)
 
     def _is_our_object(self, relpath: str, size: int, checksum: int) -> bool:
         """After a 412: did an earlier attempt of this very request (retried by botocore
@@ -174,9 +175,6 @@ class CheckpointStorage(StorageReads, StorageAdmin):
             try:
                 for (relpath, view), path in zip(jobs, paths, strict=True):
                     pending.append(self._submit_write(pool, relpath, path, view, progress, cancel))
-                for item in pending:  # overlaps the uploads; crc32c releases the GIL
-                    if item.upload_id is not None:
-                        item.crc = crc32c(item.view)
             except BaseException:
                 cancel.set()
                 raise
@@ -191,7 +189,7 @@ class CheckpointStorage(StorageReads, StorageAdmin):
                 logger.error("also failed: %s", item.errors[0])
             raise failed[0].errors[0]
         progress.finish()
-        return [WriteResult(p.relpath, p.view.nbytes, p.crc or 0) for p in pending]
+        return [item.result() for item in pending]
 
     def _uses_multipart(self, view: memoryview) -> bool:
         return self.transport.multipart and view.nbytes > self.part_size
@@ -210,13 +208,15 @@ class CheckpointStorage(StorageReads, StorageAdmin):
     ) -> PendingWrite:
         item = PendingWrite(relpath, view, [])
         if self._uses_multipart(view):
+            first_part = plan_parts(view.nbytes, self.part_size)[0]
+            item.block_size = block_size_for(first_part[1] - first_part[0])
             self.transport.start_multipart(pool, item, path, progress, cancel)
         else:
             item.futures.append(pool.submit(guarded, cancel, self._put, item, path, progress))
         return item
 
     def _put(self, item: PendingWrite, path: str, progress: Progress) -> None:
-        item.crc = crc32c(item.view)
+        item.crc, item.blocks = object_checksum(item.view)  # one pass: blocks and whole
         try:
             self.transport.put(path, item.view, item.crc)
         except io_errors() as exc:

@@ -18,7 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from cloudckpt.storage.blocks import BlockCrcs, PartChecksum, join_parts
 from cloudckpt.storage.retry import RequestCounters, RequestStats
+from cloudckpt.storage.types import WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +175,18 @@ class PendingWrite:
     futures: list[Future[Any]]
     upload_id: str | None = None  # S3 multipart uploads only
     crc: int | None = None
+    blocks: BlockCrcs | None = None
+    block_size: int = 0  # multipart uploads: a divisor of the part size
+    parts: dict[int, PartChecksum] = field(default_factory=dict)  # by part number
     errors: list[BaseException] = field(default_factory=list)
+
+    def result(self) -> WriteResult:
+        """What was written: size, CRC-32C and block CRCs (of a multipart upload:
+        combined from its parts', with no second pass over the bytes)."""
+        if self.parts:
+            ordered = [self.parts[number] for number in sorted(self.parts)]
+            self.crc, self.blocks = join_parts(ordered, self.block_size)
+        return WriteResult(self.relpath, self.view.nbytes, self.crc or 0, self.blocks)
 
     def settle_errors(self) -> None:
         """Collect the errors of its finished requests (skipped ones are not errors)."""

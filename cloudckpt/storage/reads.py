@@ -1,16 +1,34 @@
 """Reads of a checkpoint's objects: whole or ranged, into new bytes or straight into
 tensor memory, concurrent within the process's request pool, checked against the
-manifest (:mod:`.checked`)."""
+manifest (:mod:`.checked`).
+
+A ranged read of a listed object is verified against the CRC-32C of every block it
+covers: the part of a buffer made of whole blocks is read straight into it and checked
+in place; only a partly needed block at either end of a range is fetched whole (once
+per call, however many ranges share it) and copied from. Every byte returned has been
+checked against a CRC-32C the writer measured."""
 
 from __future__ import annotations
 
+import bisect
 import builtins
 from collections.abc import Sequence
 
 from cloudckpt.errors import CorruptObjectError
-from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view, crc32c, plan_parts
+from cloudckpt.storage.blocks import (
+    BlockCrcs,
+    block_runs,
+    combine,
+    covering,
+    inner,
+    part_checksum,
+    whole_blocks,
+)
+from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view
 from cloudckpt.storage.edge import io_errors, translate
 from cloudckpt.storage.handle import StorageHandle
+from cloudckpt.storage.retry import current_rank
+from cloudckpt.storage.transport import StoreChecksumError
 from cloudckpt.storage.types import ReadRequest, WriteResult
 
 
@@ -20,9 +38,9 @@ class StorageReads(StorageHandle):
     def read(self, relpath: str, start: int = 0, end: int | None = None) -> bytes:
         """Read a whole object or the byte range ``[start, end)`` of it.
 
-        Objects the manifest lists are checked: whole reads against size and CRC-32C,
-        ranges against the size (and, with ``verify_checksums``, the object is read whole
-        and checked).
+        Objects the manifest lists are checked: whole reads (``[0, size)`` too) against
+        size and CRC-32C, ranges against the size and the CRC-32C of every block they
+        cover (with ``verify_checksums``, the object is read whole and checked).
 
         Raises:
             CheckpointNotFoundError: the object does not exist.
@@ -30,18 +48,50 @@ class StorageReads(StorageHandle):
             StorageError: any other failure of the store.
         """
         size = self.expected.size(relpath)
-        if size is None:
-            return self._read(relpath, start, end)
-        if start == 0 and end is None:
+        if size is None:  # no manifest CRC: the store's, where it returns one
+            return self._read(relpath, start, end, store_checked=True)
+        end = size if end is None else end
+        if start == 0 and end == size:
             data = self._read(relpath)
             self.expected.check_whole(relpath, memoryview(data))
             return data
-        self.expected.check_range(relpath, start, size if end is None else end)
+        self.expected.check_range(relpath, start, end)
         if self.expected.verify_checksums:
             return self.read(relpath)[start:end]
+        if self.expected.checks_blocks(ReadRequest(relpath, start, end)):
+            return self._read_checked([ReadRequest(relpath, start, end)])[0]
         return self._read(relpath, start, end)
 
-    def _read(self, relpath: str, start: int = 0, end: int | None = None) -> bytes:
+    def _read_checked(self, requests: Sequence[ReadRequest]) -> builtins.list[bytes]:
+        """Ranges of listed objects (``end`` set), each widened to the blocks it
+        overlaps; per object, the blocks needed are fetched once, in runs of at most a
+        part, concurrently, and checked before any byte is returned."""
+        wanted: dict[str, builtins.list[ReadRequest]] = {}
+        for request in requests:
+            wanted.setdefault(request.path, []).append(request)
+        runs: builtins.list[tuple[str, int, int]] = []
+        for path, ranges in wanted.items():
+            blocks, size = self.expected.blocks_of(path), self.expected.size(path)
+            if blocks is None or size is None:  # callers pass what checks_blocks accepts
+                raise ValueError(f"{self.child_uri(path)} has no block CRCs to check")
+            spans = [covering(r.start, r.end or size, size, blocks.block_size) for r in ranges]
+            runs += [(path, a, b) for a, b in block_runs(spans, blocks.block_size, self.part_size)]
+        fetched = self.pool.map(self._fetch_checked, runs)
+        by_path: dict[str, builtins.list[tuple[int, bytes]]] = {}
+        for (path, start, _), data in zip(runs, fetched, strict=True):
+            by_path.setdefault(path, []).append((start, data))
+        return [_cut(by_path[r.path], r.start, r.end or 0) for r in requests]
+
+    def _fetch_checked(self, run: tuple[str, int, int]) -> bytes:
+        path, start, end = run
+        data = self._read(path, start, end)
+        self.expected.check_length(path, start, end - start, len(data))
+        self.expected.check_blocks(path, start, data)
+        return data
+
+    def _read(
+        self, relpath: str, start: int = 0, end: int | None = None, *, store_checked: bool = False
+    ) -> bytes:
         path = self.full_path(relpath)
         if end is not None and end <= start:
             # an empty range; some filesystems (s3fs) read the whole object for it
@@ -49,9 +99,13 @@ class StorageReads(StorageHandle):
                 return b""
             raise self.expected.not_found(relpath)
         try:
-            return self.transport.fetch(path, start, end)
+            return self.transport.fetch(path, start, end, store_checked=store_checked)
         except FileNotFoundError as exc:
             raise self.expected.not_found(relpath) from exc
+        except StoreChecksumError as exc:
+            raise CorruptObjectError(
+                f"{self.child_uri(relpath)} (read on rank {current_rank()}): {exc}"
+            ) from exc
         except io_errors() as exc:
             if start and end is None and 0 <= self._size(path) <= start:
                 return b""  # reading from the end: S3 answers 416 where files give b""
@@ -76,14 +130,17 @@ class StorageReads(StorageHandle):
         """:meth:`read_into` for many (request, buffer) pairs, concurrently.
 
         Objects the manifest lists are checked: a buffer covering the whole object
-        against size and CRC-32C, a partial one against the size (and, with
-        ``verify_checksums``, against the CRC-32C of the whole object, read in full).
+        against size and CRC-32C, a partial one against the size and the CRC-32C of
+        every block it covers (with ``verify_checksums``, against the CRC-32C of the
+        whole object, read in full).
         """
         views = [(request, as_bytes_view(buffer)) for request, buffer in items]
         checked = [(r, v) for r, v in views if self.expected.needs_whole_read(r, v.nbytes)]
-        direct = [(r, v) for r, v in views if not self.expected.needs_whole_read(r, v.nbytes)]
-        for request, view in direct:
-            self.expected.check_range(request.path, request.start, request.start + view.nbytes)
+        direct: builtins.list[tuple[ReadRequest, memoryview]] = []
+        edges: builtins.list[tuple[ReadRequest, memoryview]] = []
+        for request, view in views:
+            if not self.expected.needs_whole_read(request, view.nbytes):
+                self._split(request, view, direct, edges)
         ranges = [
             (request.path, request.start + a, view[a:b])
             for request, view in direct
@@ -92,13 +149,43 @@ class StorageReads(StorageHandle):
         progress = Progress("read", self.uri, sum(v.nbytes for _, _, v in ranges), len(items))
         self.pool.map(lambda r: self._read_range_into(r[0], r[2], r[1], progress), ranges)
         for request, view in direct:
-            if self.expected.is_whole(request, view.nbytes):
+            if self.expected.blocks_of(request.path) is not None:
+                self.expected.check_blocks(request.path, request.start, view)
+            elif self.expected.is_whole(request, view.nbytes):
                 self.expected.check_whole(request.path, view)
+        for (_, view), data in zip(edges, self._read_checked([r for r, _ in edges]), strict=True):
+            view[:] = data
         by_object: dict[str, builtins.list[tuple[ReadRequest, memoryview]]] = {}
         for request, view in checked:
             by_object.setdefault(request.path, []).append((request, view))
         self.pool.map(lambda path: self._read_whole_into(by_object[path]), builtins.list(by_object))
         progress.finish()
+
+    def _split(
+        self,
+        request: ReadRequest,
+        view: memoryview,
+        direct: builtins.list[tuple[ReadRequest, memoryview]],
+        edges: builtins.list[tuple[ReadRequest, memoryview]],
+    ) -> None:
+        """Cut one buffer's range: its whole blocks go straight into the buffer
+        (``direct``, checked in place afterwards), a partly needed block at either end
+        goes to ``edges`` (fetched whole, checked, then copied)."""
+        path, start, end = request.path, request.start, request.start + view.nbytes
+        self.expected.check_range(path, start, end)
+        blocks, size = self.expected.blocks_of(path), self.expected.size(path)
+        if blocks is None or size is None or view.nbytes == 0:
+            direct.append((request, view))
+            return
+        first, last = inner(start, end, size, blocks.block_size)
+        if first >= last:
+            edges.append((ReadRequest(path, start, end), view))
+            return
+        if start < first:
+            edges.append((ReadRequest(path, start, first), view[: first - start]))
+        direct.append((ReadRequest(path, first), view[first - start : last - start]))
+        if last < end:
+            edges.append((ReadRequest(path, last, end), view[last - start :]))
 
     def _read_whole_into(self, requests: builtins.list[tuple[ReadRequest, memoryview]]) -> None:
         """Read one object whole (checked against the manifest) once and fill every
@@ -121,11 +208,7 @@ class StorageReads(StorageHandle):
             raise self.expected.not_found(relpath) from exc
         except io_errors() as exc:
             raise translate(exc, f"failed to read {self.child_uri(relpath)}: {exc}") from exc
-        if got != out.nbytes:
-            raise CorruptObjectError(
-                f"{self.child_uri(relpath)}: read {got} bytes at offset {start}, expected "
-                f"{out.nbytes}; the object is truncated"
-            )
+        self.expected.check_length(relpath, start, out.nbytes, got)
         progress.add(got)
 
     def read_many(self, requests: Sequence[ReadRequest]) -> builtins.list[bytes]:
@@ -137,17 +220,50 @@ class StorageReads(StorageHandle):
             progress.add(len(data))
             return data
 
-        results: builtins.list[bytes] = self.pool.map(read, requests)
+        results: builtins.list[bytes] = [b""] * len(requests)
+        blocked = [i for i, r in enumerate(requests) if self.expected.checks_blocks(r)]
+        bounded = [_bounded(requests[i], self.expected.size(requests[i].path)) for i in blocked]
+        for i, data in zip(blocked, self._read_checked(bounded), strict=True):
+            results[i] = data
+            progress.add(len(data))
+        others = sorted(set(range(len(requests))) - set(blocked))
+        for i, data in zip(others, self.pool.map(read, [requests[i] for i in others]), strict=True):
+            results[i] = data
         progress.finish()
         return results
 
-    def checksum(self, relpath: str, size: int) -> WriteResult:
-        """Size and CRC-32C of an object of ``size`` bytes, read in ``part_size`` ranges
-        (so memory stays at one part per call however large the object)."""
+    def checksum(self, relpath: str, size: int, block_size: int | None = None) -> WriteResult:
+        """Size and CRC-32C of an object of ``size`` bytes (and its block CRCs, for a
+        ``block_size``), read in ranges of about ``part_size`` (so memory stays at one
+        part per call however large the object), in one pass."""
+        step = whole_blocks(self.part_size, block_size or self.part_size)
         crc, done = 0, 0
-        for start, end in plan_parts(size, self.part_size):
-            if end > start:
-                data = self._read(relpath, start, end)
-                crc = crc32c(data, crc)
-                done += len(data)
-        return WriteResult(relpath, done, crc)
+        crcs: builtins.list[int] = []
+        for start in range(0, size, step):
+            data = self._read(relpath, start, min(start + step, size))
+            part = part_checksum(data, block_size or max(len(data), 1))
+            crc = combine(crc, part.crc, len(data))
+            crcs += part.blocks
+            done += len(data)
+        if block_size is None or size <= block_size:
+            return WriteResult(relpath, done, crc)
+        return WriteResult(relpath, done, crc, BlockCrcs.of(block_size, crcs))
+
+
+def _bounded(request: ReadRequest, size: int | None) -> ReadRequest:
+    """``request`` with its end set (``None`` reads to the object's ``size``)."""
+    end = request.end if request.end is not None else size
+    return ReadRequest(request.path, request.start, end)
+
+
+def _cut(runs: builtins.list[tuple[int, bytes]], start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an object from its fetched ``runs`` (start, data),
+    which are sorted, contiguous where they meet, and cover the range."""
+    first = bisect.bisect_right([s for s, _ in runs], start) - 1
+    pieces = []
+    for run_start, data in runs[first:]:
+        if run_start >= end:
+            break
+        a, b = max(start - run_start, 0), min(end - run_start, len(data))
+        pieces.append(data if (a, b) == (0, len(data)) else data[a:b])
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)

@@ -20,12 +20,13 @@ import fsspec.asyn
 
 from cloudckpt.errors import StorageAccessDeniedError, StorageError, StorageUnreachableError
 from cloudckpt.redact import redact_uri
+from cloudckpt.storage.blocks import part_checksum
 from cloudckpt.storage.buffers import BufferReader, crc32c, crc32c_base64, plan_parts
 from cloudckpt.storage.edge import AUTH_ERROR_CODES, error_code, io_errors, translate
 from cloudckpt.storage.location import Location
 from cloudckpt.storage.pool import RequestPool, guarded
 from cloudckpt.storage.retry import Attempt, Retrier
-from cloudckpt.storage.transport import Transport
+from cloudckpt.storage.transport import StoreChecksumError, Transport
 from cloudckpt.storage.types import OpenUpload
 
 if TYPE_CHECKING:
@@ -109,9 +110,13 @@ class S3Transport(Transport):
 
     # -- reads -------------------------------------------------------------------------
 
-    def fetch(self, path: str, start: int, end: int | None) -> bytes:
+    def fetch(
+        self, path: str, start: int, end: int | None, *, store_checked: bool = False
+    ) -> bytes:
+        check = store_checked and not start and end is None  # S3 has none for ranges
+
         def attempt(attempt: Attempt) -> bytes:
-            return bytes(self._get(path, attempt, start, end, None))
+            return bytes(self._get(path, attempt, start, end, None, check))
 
         return self._read(path, attempt)
 
@@ -122,7 +127,13 @@ class S3Transport(Transport):
         return self._read(path, attempt)
 
     def _get(
-        self, path: str, attempt: Attempt, start: int, end: int | None, out: memoryview | None
+        self,
+        path: str,
+        attempt: Attempt,
+        start: int,
+        end: int | None,
+        out: memoryview | None,
+        check: bool = False,
     ) -> bytes | int:
         bucket, key, version = self.fs.split_path(path)
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
@@ -130,6 +141,8 @@ class S3Transport(Transport):
             kwargs["VersionId"] = version
         if start or end is not None:
             kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        if check:
+            kwargs["ChecksumMode"] = "ENABLED"
         result: bytes | int = fsspec.asyn.sync(
             self.fs.loop, _get_once, self.fs, attempt.timeout_s, out, **kwargs
         )
@@ -176,7 +189,9 @@ class S3Transport(Transport):
     ) -> dict[str, Any]:
         bucket, key, _ = self.fs.split_path(path)
         part = item.view[start:end]
-        checksum = crc32c_base64(crc32c(part))  # once: every attempt sends this one
+        # once, with the part's block CRCs: every attempt sends this one
+        item.parts[number] = part_checksum(part, item.block_size)
+        checksum = crc32c_base64(item.parts[number].crc)
         try:
             response = self.send(
                 "upload_part",
@@ -341,7 +356,10 @@ async def _get_once(
         body = response["Body"]
         try:
             if out is None:
-                return bytes(await body.read())
+                data = bytes(await body.read())
+                if "ChecksumMode" in kwargs:
+                    check_store_crc32c(response.get("ChecksumCRC32C"), data)
+                return data
             got = 0
             while got < out.nbytes and (n := await body.readinto(out[got:])):
                 got += int(n)
@@ -350,6 +368,23 @@ async def _get_once(
             body.close()
 
     return await asyncio.wait_for(get(), timeout_s)
+
+
+def check_store_crc32c(stored: str | None, data: bytes) -> None:
+    """Compare the CRC-32C S3 returned for a whole object with the bytes received.
+
+    Nothing to compare when S3 returned none (the object was written without one) or a
+    composite one (``<base64>-<parts>``: a checksum of the part checksums, not of the
+    bytes). Raises :class:`StoreChecksumError` on a difference.
+    """
+    if not stored or "-" in stored:
+        return
+    received = crc32c_base64(crc32c(data))
+    if received != stored:
+        raise StoreChecksumError(
+            f"the store's CRC-32C of the object is {stored}, that of the {len(data)} bytes "
+            f"received {received}: damaged in transit"
+        )
 
 
 def _iso(value: Any) -> str:

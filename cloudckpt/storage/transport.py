@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 GCS_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable uploads take chunks in multiples of this
 
 
+class StoreChecksumError(ValueError):
+    """The store's own checksum of a whole object differs from the bytes received."""
+
+
 class Transport:
     """Any fsspec filesystem: whole-object ``pipe_file`` writes, ``cat_file`` reads.
 
@@ -63,8 +67,13 @@ class Transport:
         with self.pool.slots:
             self.fs.pipe_file(path, view, mode="create")
 
-    def fetch(self, path: str, start: int, end: int | None) -> bytes:
-        """The bytes ``[start, end)`` of an object (``end=None``: to its end)."""
+    def fetch(
+        self, path: str, start: int, end: int | None, *, store_checked: bool = False
+    ) -> bytes:
+        """The bytes ``[start, end)`` of an object (``end=None``: to its end). With
+        ``store_checked``, a whole object is checked against the checksum the store
+        returns with it, where it returns one (S3 only; raises
+        :class:`StoreChecksumError`)."""
         with self.pool.slots:
             return bytes(self.fs.cat_file(path, start=start or None, end=end))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cloudckpt.storage.blocks import BlockCrcs
+
 
 @dataclass(frozen=True, slots=True)
 class WriteResult:
@@ -14,11 +16,15 @@ class WriteResult:
         path: object path relative to the checkpoint root (``"layer.w/0.0"``).
         size: bytes written.
         crc32c: CRC-32C (Castagnoli) of the bytes written, as an unsigned int.
+        blocks: the CRC-32C of every block of the object (:mod:`.blocks`), measured in
+            the same pass; None for objects of at most one block, and for entries of
+            version-1 manifests.
     """
 
     path: str
     size: int
     crc32c: int
+    blocks: BlockCrcs | None = None
 
 
 @dataclass(frozen=True, slots=True)
