@@ -176,3 +176,27 @@ class StorageTimeoutError(StorageError, TimeoutError):
     """A storage request (with its retries) or a whole save or load passed its deadline
     (:class:`cloudckpt.config.RetryPolicy`); the message names the rank, the object's
     URI and the deadline that passed."""
+
+
+class CollectiveError(DistributedCheckpointError):
+    """A collective of cloudckpt could not complete because some rank is gone or silent;
+    ``failures`` maps each such rank to why. Raised on every rank that is still running.
+    The process group is unusable afterwards (its ranks disagree on what comes next):
+    end the job, as after any collective timeout."""
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks named, sorted."""
+        return sorted(self.failures)
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """Some ranks did not reach one of cloudckpt's collectives within
+    ``collective_timeout_s`` (:class:`~cloudckpt.config.CheckpointConfig`); the message
+    names them and the collective."""
+
+
+class RankLostError(CollectiveError, ConnectionError):
+    """A rank died or stopped responding (killed, crashed, frozen): its heartbeat
+    stopped for ``heartbeat_timeout_s``, or its connection closed in a collective; the
+    message names it."""

@@ -76,16 +76,19 @@ def save(
         ShardingValidationError: the sharding is inconsistent (every problem listed).
         CheckpointingException: the destination is not empty, or a rank failed to write
             (then every rank raises, naming the failed ranks).
+        CollectiveError: a rank died, froze or stayed away from a collective
+            (``RankLostError`` / ``CollectiveTimeoutError``, naming it).
     """
     default_sharded = (config.backend, 1) if config is not None else DEFAULT_SHARDED_BACKEND
-    session = SaveSession.open(
-        checkpoint_uri(checkpoint_dir),
-        _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, default_sharded),
-        _save_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND),
-        storage_options=storage_options,
-        config=config,
-    )
-    session.save(sharded_state_dict, validate_access_integrity)
+    with dist.bounded(config):
+        session = SaveSession.open(
+            checkpoint_uri(checkpoint_dir),
+            _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, default_sharded),
+            _save_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND),
+            storage_options=storage_options,
+            config=config,
+        )
+        session.save(sharded_state_dict, validate_access_integrity)
 
 
 def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, int]) -> Any:
@@ -138,22 +141,24 @@ def load(
             missing metadata.json or manifest.json).
         CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
         MissingKeysError / UnexpectedKeysError: per ``strict``.
+        CollectiveError: a rank died, froze or stayed away from a collective.
     """
     uri = checkpoint_uri(checkpoint_dir)
-    state, missing, unexpected = load_checkpoint(
-        uri,
-        sharded_state_dict,
-        strict,
-        validate_access_integrity,
-        lambda: LoadSession.open(
+    with dist.bounded(config):
+        state, missing, unexpected = load_checkpoint(
             uri,
-            sharded_strategy,
-            common_strategy,
-            storage_options=storage_options,
-            config=config,
-            verify_checksums=verify_checksums,
-        ),
-    )
+            sharded_state_dict,
+            strict,
+            validate_access_integrity,
+            lambda: LoadSession.open(
+                uri,
+                sharded_strategy,
+                common_strategy,
+                storage_options=storage_options,
+                config=config,
+                verify_checksums=verify_checksums,
+            ),
+        )
     if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
         return state, missing, unexpected
     return state
