@@ -126,10 +126,14 @@ def current_bounds() -> Bounds:
 @contextmanager
 def bounded(config: Any) -> Iterator[None]:
     """Within the block, cloudckpt's collectives use the timeouts of ``config`` (a
-    :class:`~cloudckpt.config.CheckpointConfig` or None: the environment's)."""
+    :class:`~cloudckpt.config.CheckpointConfig` or None: the environment's). With a
+    process group, this rank's heartbeat runs from here on."""
     bounds = Bounds.resolve(
         getattr(config, "collective_timeout_s", None), getattr(config, "heartbeat_timeout_s", None)
     )
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        guard = _guard(None)  # beat from the start of a save or load, before its first I/O
+        _HEARTBEAT.ensure(guard.store, guard.rank, bounds)
     token = _BOUNDS.set(bounds)
     try:
         yield

@@ -220,6 +220,7 @@ def _save_with_victim(
     stamp: str,
     pids: list[int],
 ) -> dict:
+    dist.all_gather_object(rank)  # every rank has started (imported this module)
     if rank == victim:
         threading.Timer(after_s, _signal_self, (signame, stamp)).start()
     out = _outcome(
@@ -271,8 +272,8 @@ def test_a_rank_killed_or_frozen_mid_save_is_named_on_every_other_rank(
         assert out["raised"], out
         assert kind in out["kinds"] and "CheckpointingException" in out["kinds"], out
         assert out["failed_ranks"] == [victim] and f"rank {victim}:" in out["message"], out
-    limit = bounds.get("collective_timeout_s") or bounds["heartbeat_timeout_s"]
-    assert max(took) < limit + 5.0, took
+    # the survivors first finish their own uploads, then wait one bound at most
+    assert max(took) < BOUND_S, took
     ok, victim_out = outcomes[victim]
     if signame == "SIGKILL":
         assert not ok and "killed by signal 9" in victim_out
@@ -303,16 +304,17 @@ def test_a_delayed_read_on_one_rank_fails_the_load_on_every_rank(
     assert [o["raised"] for o in saved] == [False] * WORLD, saved
     assert proxied.objects("run/load/big/1.0")  # rank 1's row is that object alone
     proxied.proxy.delay(30.0, methods={"GET"}, path_contains="/big/1.0")
-    retry = {**FAST, "attempt_timeout_s": 0.5, "request_timeout_s": 1.5}
+    # generous for the other ranks' reads on a loaded machine; rank 1's never come
+    retry = {**FAST, "attempt_timeout_s": 3.0, "request_timeout_s": 6.0}
     outcomes = rank_pool.run(_load, uri, proxied.options(), retry)
     proxied.proxy.clear()
     shown = [round(o["elapsed"], 2) for o in outcomes]
     print(f"\none rank's reads delayed: the ranks raised after {shown} s")
     for rank, out in enumerate(outcomes):
-        assert out["raised"] and out["failed_ranks"] == [1], (rank, out)
+        assert out["raised"] and out["failed_ranks"] == [1], (rank, out["message"])
         assert "StorageTimeoutError" in out["kinds"] and "rank 1:" in out["message"], out
-        assert "retry.request_timeout_s=1.5" in out["message"], out
-        assert out["elapsed"] < 10.0, out
+        assert "retry.request_timeout_s=6" in out["message"], out
+        assert out["elapsed"] < 20.0, out
 
 
 # -- the check-in itself, on the shared pool (every rank ends on the same verdict) ----------
