@@ -161,7 +161,8 @@ def test_server_dying_mid_save_fails_every_rank_and_gc_cleans_up(
     killer.join(5)
     assert killer.killed_at is not None
     took = [out["raised_at"] - killer.killed_at for out in outcomes if out["raised"]]
-    print(f"\nserver killed mid-save: ranks raised {[round(t, 2) for t in took]} s after")
+    with capsys.disabled():
+        print(f"\nserver killed mid-save: ranks raised {[round(t, 2) for t in took]} s after")
     for rank, out in enumerate(outcomes):
         assert out["raised"] and "CheckpointingException" in out["kinds"], (rank, out)
         assert "DistributedCheckpointError" in out["kinds"], (rank, out)
