@@ -315,6 +315,7 @@ class _Heartbeat:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._world: Any = None
+        self._wake = threading.Event()  # a shorter interval takes effect at once
         self.interval = 1.0
 
     def ensure(self, store: Any, rank: int, bounds: Bounds) -> None:
@@ -323,7 +324,10 @@ class _Heartbeat:
         world = torch_dist.distributed_c10d._get_default_group()
         with self._lock:
             alive = self._thread is not None and self._thread.is_alive()
-            self.interval = min(self.interval, bounds.beat_s) if alive else bounds.beat_s
+            interval = min(self.interval, bounds.beat_s) if alive else bounds.beat_s
+            if interval < self.interval:
+                self._wake.set()
+            self.interval = interval
             if alive and self._world is world:
                 return
             self._world = world
@@ -345,7 +349,8 @@ class _Heartbeat:
             except Exception as exc:  # noqa: BLE001 - the group is going away
                 logger.debug("heartbeat stopped: %s", exc)
                 return
-            time.sleep(self.interval)
+            self._wake.wait(self.interval)
+            self._wake.clear()
 
 
 def _same_group(world: Any) -> bool:

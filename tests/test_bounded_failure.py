@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt import ShardedTensor, dist
+from cloudckpt import ShardedTensor, dist, dist_guard
 from cloudckpt.cli import main as cli_main
 from cloudckpt.config import CheckpointConfig, ConfigError, from_dict
 from cloudckpt.dist_guard import (
@@ -394,3 +394,38 @@ def test_gc_says_why_it_keeps_an_uncommitted_checkpoint_and_removes_it_with_no_g
     assert f"{root / 'iter_0000001'}: committed, among the newest 1" in out, out
     assert not (root / "iter_0000002").exists()
     assert cli_main(["verify", str(root / "iter_0000001")]) == 0
+
+
+# -- a rank that dies inside the backend's collective ----------------------------------------
+
+
+def _die_inside_the_collective(rank: int, world: int, victim: int) -> dict:
+    dist.all_gather_object(rank)  # every rank has started (imported this module)
+    with dist.bounded(CheckpointConfig(heartbeat_timeout_s=1.0)):
+        if rank == victim:  # checked in, then gone before gloo's all_gather: its peers are in it
+            dist_guard.check_in("gathering the test's ranks")
+            time.sleep(0.3)
+            os._exit(3)
+        return _outcome(dist.all_gather_object, rank, what="gathering the test's ranks")
+
+
+@pytest.mark.multirank
+def test_a_rank_dying_inside_a_collective_is_named_not_a_raw_gloo_error() -> None:
+    """The rank checked in, then died before the backend's collective (the one window
+    the check-in cannot cover): the peers gloo tells raise a RankLostError naming it,
+    never gloo's raw RuntimeError. (Peers that gloo's ring does not tell stay blocked
+    until the process group's own timeout.)"""
+    victim = 1
+    with RankPool(WORLD, timeout_s=60) as pool:
+        outcomes = pool.run_each(_die_inside_the_collective, victim)
+    assert outcomes[victim][0] is False and "exit status 3" in outcomes[victim][1]
+    told = [out for rank, (ok, out) in enumerate(outcomes) if rank != victim and ok]
+    blocked = [out for rank, (ok, out) in enumerate(outcomes) if rank != victim and not ok]
+    shown = [round(o["elapsed"], 2) for o in told]
+    print(f"\nrank {victim} died inside gloo's all_gather: {len(told)} peers raised, {shown} s")
+    assert told and all("did not finish" in why for why in blocked), outcomes
+    for out in told:
+        assert out["raised"] and "RankLostError" in out["kinds"], out
+        assert "ConnectionError" in out["kinds"] and out["failed_ranks"] == [victim], out
+        assert f"rank {victim}: process gone" in out["message"], out
+        assert out["elapsed"] < 15.0, out
