@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         StorageUnreachableError,
         UncommittedCheckpointError,
         UnexpectedKeysError,
+        UnsafePickleError,
     )
     from cloudckpt.mapping import (
         LocalNonpersistentObject,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
         apply_factory_merges,
         is_main_replica,
     )
+    from cloudckpt.safe_pickle import add_safe_globals
     from cloudckpt.serialization import (
         check_is_distributed_checkpoint,
         load,
@@ -91,6 +93,7 @@ _LAZY: dict[str, str] = {
             "StorageUnreachableError",
             "UncommittedCheckpointError",
             "UnexpectedKeysError",
+            "UnsafePickleError",
         ),
         "cloudckpt.errors",
     ),
@@ -106,6 +109,7 @@ _LAZY: dict[str, str] = {
         ),
         "cloudckpt.mapping",
     ),
+    "add_safe_globals": "cloudckpt.safe_pickle",
     **dict.fromkeys(
         (
             "check_is_distributed_checkpoint",
@@ -168,7 +172,9 @@ __all__ = [
     "StrictHandling",
     "UncommittedCheckpointError",
     "UnexpectedKeysError",
+    "UnsafePickleError",
     "__version__",
+    "add_safe_globals",
     "apply_factories",
     "apply_factory_merges",
     "check_is_distributed_checkpoint",

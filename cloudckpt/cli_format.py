@@ -203,11 +203,15 @@ def describe(
     config: CheckpointConfig | None = None,
 ) -> Description:
     """The ``inspect`` view of a committed checkpoint: from its manifest alone, or, for a
-    foreign checkpoint (no manifest), from its tensor metadata and common state.
+    foreign checkpoint (no manifest), from its tensor metadata and common state. Those
+    pickles are always unpickled restricted (:func:`cloudckpt.safe_pickle.never_trusted`,
+    whatever ``CLOUDCKPT_TRUST_PICKLES`` says): inspecting never runs a checkpoint's code.
 
     Raises:
         CheckpointNotFoundError: nothing is stored at ``uri``.
         UncommittedCheckpointError: the checkpoint is not committed.
+        UnsafePickleError: a foreign checkpoint's pickle needs a global outside the
+            allow-list.
     """
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
     checkpoint = open_committed(storage)
@@ -224,15 +228,17 @@ def _describe_foreign(
     # only a foreign checkpoint needs torch: `inspect` of a cloudckpt one does not load it
     from cloudckpt.load_session import LoadSession  # noqa: PLC0415
     from cloudckpt.mapping import ShardedTensor  # noqa: PLC0415
+    from cloudckpt.safe_pickle import never_trusted  # noqa: PLC0415
 
     session = LoadSession.bind(uri, storage, checkpoint)
     sizes = storage.list_sizes()
-    tensors = [
-        TensorEntry(sh.key, tuple(sh.global_shape), str(sh.dtype).removeprefix("torch."))
-        for sh in session.tensors_metadata().values()
-        if isinstance(sh, ShardedTensor)
-    ]
-    common = session.common_state()
+    with never_trusted():
+        tensors = [
+            TensorEntry(sh.key, tuple(sh.global_shape), str(sh.dtype).removeprefix("torch."))
+            for sh in session.tensors_metadata().values()
+            if isinstance(sh, ShardedTensor)
+        ]
+        common = session.common_state()
     return Description(
         uri=storage.uri,
         foreign=True,

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 
 from cloudckpt.errors import (
     CheckpointingException,
 )
-from cloudckpt.storage import CheckpointStorage, WriteResult
+from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +54,57 @@ class CheckpointingConfig:
             ) from exc
 
 
-def save_config(config: CheckpointingConfig, storage: CheckpointStorage) -> WriteResult:
-    """Write ``metadata.json`` (call once, on the coordinating rank, after all data)."""
-    return storage.write(CONFIG_FNAME, config.to_json())
+#: Where a checkpoint is: a URI or path (``str`` / ``os.PathLike``), or opened storage.
+CheckpointLocation = str | os.PathLike[str] | CheckpointStorage
 
 
-def maybe_load_config(storage: CheckpointStorage) -> CheckpointingConfig | None:
-    """The checkpoint's config, or None when ``metadata.json`` does not exist."""
+def _storage(checkpoint_dir: CheckpointLocation) -> CheckpointStorage:
+    """``checkpoint_dir`` as storage: opened from a URI or path, or as given."""
+    if isinstance(checkpoint_dir, CheckpointStorage):
+        return checkpoint_dir
+    # imported here: strategies.base imports torch, which the CLI's commands avoid
+    from cloudckpt.strategies.base import checkpoint_uri  # noqa: PLC0415
+
+    return open_checkpoint(checkpoint_uri(checkpoint_dir))
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: CheckpointLocation) -> WriteResult:
+    """Write ``metadata.json`` (call once, on the coordinating rank, after all data).
+
+    Args:
+        config: the backends the checkpoint was written with.
+        checkpoint_dir: the checkpoint: a URI, a local path (``str`` or ``pathlib.Path``),
+            or a :class:`~cloudckpt.storage.CheckpointStorage` already opened.
+    """
+    return _storage(checkpoint_dir).write(CONFIG_FNAME, config.to_json())
+
+
+def maybe_load_config(checkpoint_dir: CheckpointLocation) -> CheckpointingConfig | None:
+    """The checkpoint's config, or None when ``metadata.json`` does not exist.
+
+    Args:
+        checkpoint_dir: as Megatron-Core, the checkpoint directory (``str`` URI or path,
+            ``pathlib.Path``; an empty one gives None); or a
+            :class:`~cloudckpt.storage.CheckpointStorage`. ``Path("s3://...")`` is
+            refused (it lost the URI's ``//``).
+
+    Raises:
+        CheckpointingException: ``metadata.json`` exists but is not a valid config.
+    """
+    if not isinstance(checkpoint_dir, CheckpointStorage) and not checkpoint_dir:
+        return None  # as Megatron-Core: no directory given, no config
+    storage = _storage(checkpoint_dir)
     if not storage.exists(CONFIG_FNAME):
         return None
     return CheckpointingConfig.from_json(
         storage.read(CONFIG_FNAME), storage.child_uri(CONFIG_FNAME)
     )
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: CheckpointLocation) -> bool:
+    """True when ``checkpoint_dir`` has a ``metadata.json`` (Megatron-Core's test).
+
+    :func:`cloudckpt.serialization.check_is_distributed_checkpoint` is stricter: it
+    also requires the manifest of a checkpoint cloudckpt wrote (a committed one).
+    """
+    return maybe_load_config(checkpoint_dir) is not None

@@ -7,6 +7,7 @@ describes the situation too, the error mixes it in, so callers can catch either
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable
 
 from cloudckpt.redact import redact_text
@@ -200,3 +201,23 @@ class RankLostError(CollectiveError, ConnectionError):
     """A rank died or stopped responding (killed, crashed, frozen): its heartbeat
     stopped for ``heartbeat_timeout_s``, or its connection closed in a collective; the
     message names it."""
+
+
+class UnsafePickleError(CheckpointingException, pickle.UnpicklingError):
+    """A checkpoint's pickle (``common.pt``, a ShardedObject, DCP ``.metadata``) needs a
+    global outside the allow-list, so it was not loaded: unpickling it could run code.
+
+    The message names the object's URI (redacted), what it holds, the rank and the
+    global; ``forbidden`` is that global's dotted name. To load the checkpoint anyway,
+    when it is trusted: :func:`cloudckpt.add_safe_globals` for that type, or
+    ``weights_only=False`` / ``CLOUDCKPT_TRUST_PICKLES=1`` (see :mod:`cloudckpt.safe_pickle`).
+    """
+
+    forbidden: str = ""
+
+    def __init__(self, message: str, forbidden: str = "") -> None:
+        super().__init__(message)
+        self.forbidden = forbidden
+
+    def __reduce__(self) -> tuple[type[UnsafePickleError], tuple[str, str]]:
+        return (type(self), (str(self), self.forbidden))

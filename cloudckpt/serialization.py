@@ -22,6 +22,7 @@ from cloudckpt.config import CheckpointConfig
 from cloudckpt.load_session import LoadSession, load_checkpoint
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict
 from cloudckpt.redact import redact_uri
+from cloudckpt.safe_pickle import weights_only_scope
 from cloudckpt.session import SaveSession, open_storage
 from cloudckpt.strategies.base import (
     LoadCommonStrategy,
@@ -110,6 +111,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     verify_checksums: bool = False,
+    weights_only: bool | None = None,
 ) -> LoadResult:
     """Load a checkpoint into the layout ``sharded_state_dict`` describes. Collective.
 
@@ -128,6 +130,11 @@ def load(
         verify_checksums: check the CRC-32C of every object a read touches, reading
             partly needed objects whole. Without it, objects read whole are still checked
             against the manifest's CRC-32C, and every read against its size.
+        weights_only: unpickle ``common.pt``, ShardedObjects and DCP ``.metadata``
+            restricted to the allow-list (True), without restriction (False: for
+            checkpoints you trust only, as Megatron-Core loads), or restricted unless
+            ``CLOUDCKPT_TRUST_PICKLES=1`` (None, the default); a strategy's own
+            ``weights_only`` wins. See :mod:`cloudckpt.safe_pickle`.
 
     Returns:
         The loaded state dict (common state merged with the loaded shards), or with a
@@ -141,10 +148,11 @@ def load(
             missing metadata.json or manifest.json).
         CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
         MissingKeysError / UnexpectedKeysError: per ``strict``.
+        UnsafePickleError: a pickle needs a global outside the allow-list (names it).
         CollectiveError: a rank died, froze or stayed away from a collective.
     """
     uri = checkpoint_uri(checkpoint_dir)
-    with dist.bounded(config):
+    with weights_only_scope(weights_only), dist.bounded(config):
         state, missing, unexpected = load_checkpoint(
             uri,
             sharded_state_dict,
@@ -164,11 +172,13 @@ def load(
     return state
 
 
-def _run(fn: Callable[[], _T], what: str, collective: bool) -> _T:
-    """``fn()`` on this rank, or (collective) on rank 0 with the outcome on every rank."""
-    if collective:
-        return dist.run_on_coordinator(fn, what)
-    return fn()
+def _run(fn: Callable[[], _T], what: str, collective: bool, weights_only: bool | None) -> _T:
+    """``fn()`` on this rank, or (collective) on rank 0 with the outcome on every rank,
+    with pickles loaded as ``weights_only`` says."""
+    with weights_only_scope(weights_only):
+        if collective:
+            return dist.run_on_coordinator(fn, what)
+        return fn()
 
 
 def _session(
@@ -190,20 +200,25 @@ def load_common_state_dict(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     collective: bool = False,
+    weights_only: bool | None = None,
 ) -> StateDict:
     """Load only the common (non-sharded) state of a checkpoint.
 
     Args:
         checkpoint_dir: the checkpoint URI or local path.
-        storage_options / config: as for :func:`load`.
+        storage_options / config / weights_only: as for :func:`load`.
         collective: call on every rank: rank 0 does the I/O and sends the outcome to
             all, so its failure is raised on every rank (default: this rank alone).
+
+    Raises:
+        UnsafePickleError: ``common.pt`` needs a global outside the allow-list.
     """
     uri = checkpoint_uri(checkpoint_dir)
     return _run(
         lambda: _session(uri, storage_options=storage_options, config=config).common_state(),
         f"loading the common state of {redact_uri(uri)!r}",
         collective,
+        weights_only,
     )
 
 
@@ -214,13 +229,15 @@ def load_tensors_metadata(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     collective: bool = False,
+    weights_only: bool | None = None,
 ) -> ShardedStateDict:
     """``{key: ShardedTensor}`` with each stored tensor's global shape and dtype (no data).
 
     Args:
         checkpoint_dir: the checkpoint URI or local path.
         sharded_strategy: overrides the strategy chosen from the checkpoint's metadata.
-        storage_options / config: as for :func:`load`.
+        storage_options / config / weights_only: as for :func:`load` (``weights_only``
+            governs a torch_dist checkpoint's ``.metadata``).
         collective: call on every rank: rank 0 does the I/O and sends the outcome to
             all, so its failure is raised on every rank (default: this rank alone).
     """
@@ -231,6 +248,7 @@ def load_tensors_metadata(
         ).tensors_metadata(),
         f"reading the tensors of {redact_uri(uri)!r}",
         collective,
+        weights_only,
     )
 
 
@@ -242,6 +260,7 @@ def load_sharded_metadata(
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     collective: bool = False,
+    weights_only: bool | None = None,
 ) -> ShardedStateDict:
     """Metadata (no data) of every stored ShardedTensor and ShardedObject.
 
@@ -251,7 +270,7 @@ def load_sharded_metadata(
         checkpoint_dir: the checkpoint URI or local path.
         sharded_strategy / common_strategy: override the strategies chosen from the
             checkpoint's metadata.
-        storage_options / config: as for :func:`load`.
+        storage_options / config / weights_only: as for :func:`load`.
         collective: call on every rank: rank 0 does the I/O and sends the outcome to
             all, so its failure is raised on every rank (default: this rank alone).
     """
@@ -262,6 +281,7 @@ def load_sharded_metadata(
         ).sharded_metadata(),
         f"reading the metadata of {redact_uri(uri)!r}",
         collective,
+        weights_only,
     )
 
 
@@ -270,10 +290,14 @@ def load_plain_tensors(
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
+    weights_only: bool | None = None,
 ) -> StateDict:
-    """Load every stored tensor whole (plus the common state), without a sharding spec."""
+    """Load every stored tensor whole (plus the common state), without a sharding spec.
+
+    ``storage_options`` / ``config`` / ``weights_only``: as for :func:`load`.
+    """
     metadata = load_tensors_metadata(
-        checkpoint_dir, storage_options=storage_options, config=config
+        checkpoint_dir, storage_options=storage_options, config=config, weights_only=weights_only
     )
     for sh in metadata.values():
         if isinstance(sh, ShardedTensor):
@@ -284,6 +308,7 @@ def load_plain_tensors(
         validate_access_integrity=False,  # type: ignore[return-value]
         storage_options=storage_options,
         config=config,
+        weights_only=weights_only,
     )
 
 
@@ -311,6 +336,7 @@ def remove_sharded_tensors(
         ).remove_sharded_tensors(key_prefix),
         f"removing tensors {key_prefix!r}* from {redact_uri(uri)!r}",
         collective,
+        None,
     )
 
 

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
+from cloudckpt import dist
+from cloudckpt.dict_utils import nested_values
 from cloudckpt.errors import MissingKeysError, ShardingValidationError, UnexpectedKeysError
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
@@ -285,3 +287,31 @@ def _grid_indices(grid: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
 def _listing(items: Sequence[object]) -> str:
     shown = ", ".join(map(str, items[:_MAX_LISTED]))
     return shown + (f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
+
+
+#: One rank's sharding metadata: its ShardedBase objects without data.
+_LocalMetadata = list[ShardedBase]
+#: Every rank's :data:`_LocalMetadata`, indexed by rank.
+_GlobalMetadata = list[_LocalMetadata]
+
+
+def determine_global_metadata(
+    sharded_state_dict: Mapping[str, Any],
+) -> tuple[_LocalMetadata, _GlobalMetadata]:
+    """This rank's and every rank's sharding metadata (a collective: ``all_gather_object``).
+
+    Args:
+        sharded_state_dict: this rank's sharded state dict; its ShardedBase leaves
+            (tensors, objects, factories) are taken, without data. Megatron-Core expects
+            only sharded leaves here; other leaves are skipped.
+
+    Returns:
+        ``(local, global)``: this rank's list, and the list of every rank's lists.
+        Without a process group, ``global`` is ``[local]``.
+    """
+    local = [
+        v.without_data()
+        for v in nested_values(dict(sharded_state_dict))
+        if isinstance(v, ShardedBase)
+    ]
+    return local, dist.all_gather_object(local)

@@ -48,6 +48,7 @@ def is_common_state_item(key: str) -> bool:
     (item ``common_state/shard_0_1``); older drafts used a bare ``common_state``."""
     return key == COMMON_STATE_ITEM or key.startswith(COMMON_STATE_ITEM + "/")
 
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
@@ -78,12 +79,25 @@ class DcpCheckpoint:
     Args:
         storage: the checkpoint.
         batch_bytes: upper bound on the item bytes fetched per batch of requests.
+        weights_only: unpickle ``.metadata`` and objects restricted (True), without
+            restriction (False) or as the scope / environment says (None; see
+            :mod:`cloudckpt.safe_pickle`).
+        metadata: the checkpoint's ``.metadata`` when already read (else it is read).
     """
 
-    def __init__(self, storage: CheckpointStorage, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        weights_only: bool | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
         self.storage = storage
         self.batch_bytes = batch_bytes
-        self.metadata: Metadata = read_metadata(storage)
+        self.weights_only = weights_only
+        self.metadata: Metadata = (
+            metadata if metadata is not None else read_metadata(storage, weights_only)
+        )
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -250,9 +264,7 @@ class DcpCheckpoint:
 
     # -- objects ----------------------------------------------------------------------
 
-    def load_objects(
-        self, objects: Sequence[ShardedObject], weights_only: bool = False
-    ) -> dict[int, Any]:
+    def load_objects(self, objects: Sequence[ShardedObject]) -> dict[int, Any]:
         """Load every requested ShardedObject; returns ``{id(sharded_object): value}``."""
         keys = [o.unique_key for o in objects]
         missing = [k for k in keys if k not in self.metadata.state_dict_metadata]
@@ -261,14 +273,22 @@ class DcpCheckpoint:
             raise self._missing(
                 "sharded object(s)", missing, f"; stored shards of these keys: {stored or 'none'}"
             )
-        values = self.read_objects(keys, weights_only)
+        values = self.read_objects(keys)
         return {id(o): values[o.unique_key] for o in objects}
 
-    def read_objects(self, keys: Sequence[str], weights_only: bool = False) -> dict[str, Any]:
+    def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
         """``{key: value}`` of stored bytes items (``torch.save``'d objects)."""
         requests = [item_request(self.storage, self.metadata, MetadataIndex(k)) for k in keys]
         raws = self.storage.read_many(requests)
-        return {k: load_object_item(raw, weights_only) for k, raw in zip(keys, raws, strict=True)}
+        return {
+            key: load_object_item(
+                raw,
+                f"{self.storage.child_uri(request.path)} (item {key!r})",
+                self.weights_only,
+                "common state" if is_common_state_item(key) else "sharded object",
+            )
+            for key, request, raw in zip(keys, requests, raws, strict=True)
+        }
 
 
 def _copy_overlap(

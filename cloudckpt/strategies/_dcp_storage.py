@@ -29,7 +29,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -47,8 +47,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from torch.futures import Future
 
-from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError, UnsafePickleError
+from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
+from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -118,6 +120,9 @@ class CloudStorageWriter(StorageWriter):
             checkpoint; with ``write_metadata=False`` the coordinator keeps the
             ``Metadata`` in :attr:`metadata` instead of writing ``.metadata``
             (:func:`merge_metadata` then combines the parts).
+        separation_hint: items whose key starts with it go to objects of their own,
+            after the other items (Megatron-Core's ``separation_hint``: e.g. the
+            optimizer state apart from the model weights).
     """
 
     def __init__(
@@ -129,8 +134,10 @@ class CloudStorageWriter(StorageWriter):
         *,
         part: str = "",
         write_metadata: bool = True,
+        separation_hint: str | None = None,
     ) -> None:
         super().__init__()
+        self.separation_hint = separation_hint
         self.part = part
         self.write_metadata = write_metadata
         self.metadata: Metadata | None = None
@@ -180,16 +187,23 @@ class CloudStorageWriter(StorageWriter):
     def _objects(
         self, prefix: str, items: list[WriteItem], planner: SavePlanner
     ) -> Iterator[tuple[_Object, list[DcpWriteResult]]]:
-        """Pack the items into objects of about ``object_size`` bytes, in plan order."""
+        """Pack the items into objects of about ``object_size`` bytes, in plan order
+        (the items of the separation hint after the others, in objects of their own)."""
         count = 0
         obj: _Object | None = None
         results: list[DcpWriteResult] = []
-        for item in items:
+        hint = self.separation_hint
+        grouped = sorted(items, key=lambda it: bool(hint) and it.index.fqn.startswith(hint or ""))
+        group = False
+        for item in grouped:
             data = planner.resolve_data(item)
             estimate = _estimated_size(data)
-            if obj is not None and obj.size and obj.size + estimate > self.object_size:
+            separated = bool(hint) and item.index.fqn.startswith(hint or "")
+            full = obj is not None and obj.size and obj.size + estimate > self.object_size
+            if obj is not None and (full or separated != group):
                 yield obj, results
                 obj, results = None, []
+            group = separated
             if obj is None:
                 obj = _Object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"))
                 count += 1
@@ -213,11 +227,17 @@ class CloudStorageWriter(StorageWriter):
             self.results += self.storage.write_many([(o.path, o.payload()) for o in objects])
 
     def finish(self, metadata: Metadata, results: list[list[DcpWriteResult]]) -> None:
+        """Write ``.metadata`` as a plain DCP ``Metadata`` (a planner's subclass, such as
+        :class:`MCoreMetadata`, is unwrapped: no cloudckpt class is pickled into a
+        checkpoint that other readers must unpickle) with the merged ``mcore_data``."""
+        extra = {**(getattr(metadata, "mcore_data", None) or {}), **self.mcore_data}
+        if type(metadata) is not Metadata:
+            metadata = Metadata(**{f.name: getattr(metadata, f.name) for f in fields(Metadata)})
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
         metadata.storage_meta = self.storage_meta()
-        if self.mcore_data:
-            metadata.mcore_data = self.mcore_data  # type: ignore[attr-defined]
+        if extra:
+            metadata.mcore_data = extra  # type: ignore[attr-defined]
         self.metadata = metadata
         if self.write_metadata:
             self.results.append(self.storage.write(METADATA_FNAME, pickle.dumps(metadata)))
@@ -250,13 +270,48 @@ def merge_metadata(parts: list[Metadata]) -> Metadata:
     return merged
 
 
-def read_metadata(storage: CheckpointStorage) -> Metadata:
-    """The checkpoint's DCP ``.metadata``.
+@dataclass
+class MCoreMetadata(Metadata):
+    """DCP ``Metadata`` with Megatron-Core's per-tensor data (``mcore_data``).
+
+    Megatron-Core 0.15 pickles its ``.metadata`` as this class; cloudckpt reads such
+    files with or without Megatron-Core installed (:func:`read_metadata`) and writes
+    plain ``Metadata`` with an ``mcore_data`` attribute, which every Megatron-Core
+    version reads.
+    """
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class MCoreSavePlan(SavePlan):
+    """A DCP ``SavePlan`` carrying Megatron-Core's per-tensor data (``mcore_data``)."""
+
+    mcore_data: dict[str, dict[str, Any]] | None = None
+
+
+#: Where Megatron-Core defines the DCP classes it pickles into ``.metadata``.
+_MCORE_TORCH_MODULE = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+#: Megatron-Core's classes, read as cloudckpt's when Megatron-Core is not importable
+#: (trusted) and always when restricted (they carry only metadata).
+_MCORE_ALIASES: dict[tuple[str, str], Any] = {
+    (_MCORE_TORCH_MODULE, "MCoreMetadata"): MCoreMetadata,
+    (_MCORE_TORCH_MODULE, "MCoreSavePlan"): MCoreSavePlan,
+}
+
+
+def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) -> Metadata:
+    """The checkpoint's DCP ``.metadata``, unpickled restricted to DCP's metadata types
+    unless trusted (:mod:`cloudckpt.strategies._dcp_unpickler`).
 
     Raises:
         CheckpointNotFoundError: there is none.
+        UnsafePickleError: it names a global outside DCP's metadata types.
         CheckpointingException: it is not a DCP Metadata.
     """
+    where = storage.child_uri(METADATA_FNAME)
     try:
         raw = storage.read(METADATA_FNAME)
     except CheckpointNotFoundError as exc:
@@ -264,15 +319,13 @@ def read_metadata(storage: CheckpointStorage) -> Metadata:
             f"checkpoint {storage.uri!r} has no {METADATA_FNAME} (PyTorch DCP metadata)"
         ) from exc
     try:
-        metadata = pickle.loads(raw)
+        metadata = load_dcp_metadata(raw, where, weights_only, _MCORE_ALIASES)
+    except UnsafePickleError:
+        raise
     except Exception as exc:
-        raise CheckpointingException(
-            f"{storage.child_uri(METADATA_FNAME)} is not a PyTorch DCP metadata file: {exc}"
-        ) from exc
+        raise CheckpointingException(f"{where} is not a PyTorch DCP metadata file: {exc}") from exc
     if not isinstance(metadata, Metadata):
-        raise CheckpointingException(
-            f"{storage.child_uri(METADATA_FNAME)} holds a {type(metadata).__name__}, not Metadata"
-        )
+        raise CheckpointingException(f"{where} holds a {type(metadata).__name__}, not Metadata")
     return metadata
 
 
@@ -305,13 +358,16 @@ def load_tensor_item(raw: bytes, where: str) -> torch.Tensor:
     return tensor
 
 
-def load_object_item(raw: bytes, weights_only: bool = False) -> Any:
+def load_object_item(
+    raw: bytes, where: str, weights_only: bool | None = None, what: str = "sharded object"
+) -> Any:
     """Decode a bytes item as Megatron-Core writes it, ``torch.save([data])``: the
-    one-element list is unwrapped (a ``BytesIO`` inside is decoded too)."""
-    value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=weights_only)
+    one-element list is unwrapped (a ``BytesIO`` inside is decoded too). Restricted
+    unless trusted (:func:`cloudckpt.safe_pickle.load_torch_pickle`); ``where`` and
+    ``what`` name the item in an error."""
+    value = load_torch_pickle(raw, where, what, weights_only)
     if isinstance(value, io.BytesIO):
-        value.seek(0)
-        value = torch.load(value, map_location="cpu", weights_only=weights_only)
+        value = load_torch_pickle(value.getvalue(), where, what, weights_only)
     if isinstance(value, list) and value:
         value = value[0]
     return value
@@ -321,7 +377,11 @@ class CloudStorageReader(StorageReader):
     """DCP storage reader over cloudckpt's storage layer (any fsspec URI).
 
     For ``torch.distributed.checkpoint.load(state_dict, storage_reader=...)``: reads
-    the items of the plan with concurrent ranged reads.
+    the items of the plan with concurrent ranged reads. ``.metadata`` is unpickled
+    restricted (:func:`read_metadata`); bytes items go to the planner as they are, and
+    DCP's ``DefaultLoadPlanner`` unpickles them with ``torch.load(weights_only=False)``:
+    with an untrusted checkpoint, pass a planner that does not (cloudckpt's own loads
+    do not use this reader for objects).
     """
 
     def __init__(self, storage: CheckpointStorage) -> None:

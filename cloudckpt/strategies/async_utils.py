@@ -13,6 +13,15 @@ Threads, not processes
     forked process would duplicate the address space (and any fsspec or CUDA state)
     and a spawned one would need every tensor serialised to it. The threads are not
     daemons: interpreter exit waits for a running save instead of cutting it off.
+    ``AsyncCallsQueue()`` starts one thread per request (Megatron-Core's temporal
+    worker process); ``AsyncCallsQueue(persistent=True)`` runs the requests one after
+    another in one long-lived worker thread (Megatron-Core's persistent worker).
+
+Preloading
+    A request's ``preload_fn`` (Megatron-Core's device-to-host staging) runs in the
+    caller's thread when the request is scheduled or executed; its result replaces the
+    second positional argument of ``async_fn`` (Megatron-Core's convention: the
+    staged write buckets of :class:`~cloudckpt.strategies.filesystem_async.FileSystemWriterAsync`).
 
 Threading contract
     Every method of :class:`AsyncCallsQueue` must be called from one thread, the
@@ -28,16 +37,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from cloudckpt import dist
 from cloudckpt.errors import CheckpointingException, DistributedCheckpointError
+from cloudckpt.strategies._async_calls import (
+    AsyncCaller,
+    PersistentAsyncCaller,
+    TemporalAsyncCaller,
+    _disable_gc,
+    _ScheduledCall,
+    _start,
+    _Worker,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +79,55 @@ class AsyncRequest:
         finalize_fns: zero-argument callables run in order, in the caller's thread,
             after ``async_fn`` is done on every rank. Copied into a new list.
         async_fn_kwargs: keyword arguments of ``async_fn``.
+        preload_fn: stages the data to persist (Megatron-Core: device to host); its
+            result replaces ``async_fn_args[1]`` (see the module docstring).
         is_frozen: once True, no finalize function can be added.
+        call_idx: the index the queue gave the request when scheduling it.
+
+    The field order is Megatron-Core's (its AsyncRequest is a NamedTuple), and
+    ``_replace``, ``_asdict`` and ``_fields`` work as on it.
     """
 
     async_fn: Callable[..., Any] | None
     async_fn_args: tuple[Any, ...]
     finalize_fns: list[FinalizeFn] = field(default_factory=list)
     async_fn_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    preload_fn: Callable[[], Any] | None = None
     is_frozen: bool = False
+    call_idx: int = 0
+
+    _fields: ClassVar[tuple[str, ...]] = (
+        "async_fn",
+        "async_fn_args",
+        "finalize_fns",
+        "async_fn_kwargs",
+        "preload_fn",
+        "is_frozen",
+        "call_idx",
+    )
+
+    def _replace(self, **changes: Any) -> AsyncRequest:
+        """A copy with ``changes`` (NamedTuple's ``_replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def _asdict(self) -> dict[str, Any]:
+        """The fields by name (NamedTuple's ``_asdict``; shallow, no copies)."""
+        return {name: getattr(self, name) for name in self._fields}
+
+    def resolved_args(self) -> tuple[Any, ...]:
+        """``async_fn``'s positional arguments, the second one from ``preload_fn`` if set.
+
+        Raises:
+            CheckpointingException: ``preload_fn`` is set but there is no second argument.
+        """
+        if self.preload_fn is None:
+            return self.async_fn_args
+        if len(self.async_fn_args) < 2:
+            raise CheckpointingException(
+                "an AsyncRequest with preload_fn needs at least two async_fn_args (the "
+                "second is replaced by what preload_fn returns)"
+            )
+        return (self.async_fn_args[0], self.preload_fn(), *self.async_fn_args[2:])
 
     def __post_init__(self) -> None:
         # Normalise what callers give (Megatron passes lists); copy so that the
@@ -110,7 +168,7 @@ class AsyncRequest:
     def execute_sync(self) -> None:
         """Run the request to completion in the caller's thread.
 
-        Runs ``async_fn``, then agrees with the other ranks that it succeeded
+        Runs ``preload_fn`` and ``async_fn``, then agrees with the other ranks that it succeeded
         everywhere (a collective, so every rank must call this; without a process
         group it is local), then runs every finalize function in order.
 
@@ -122,7 +180,7 @@ class AsyncRequest:
         """
         with dist.agree("synchronous execution of an async request"):
             if self.async_fn is not None:
-                self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
+                self.async_fn(*self.resolved_args(), **self.async_fn_kwargs)
         for fn in self.finalize_fns:
             fn()
 
@@ -133,34 +191,6 @@ def _as_sequence(fns: Sequence[FinalizeFn] | FinalizeFn) -> Sequence[FinalizeFn]
             "AsyncRequest.finalize_fns must be a sequence of callables, not one callable"
         )
     return fns
-
-
-@dataclass
-class _ScheduledCall:
-    """One scheduled request and the thread that runs its async function."""
-
-    idx: int
-    request: AsyncRequest
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    started: float = field(default_factory=time.monotonic)
-
-    def run(self) -> None:
-        """Thread target: run the async function, record its error instead of raising."""
-        fn = self.request.async_fn
-        if fn is None:
-            return
-        try:
-            fn(*self.request.async_fn_args, **self.request.async_fn_kwargs)
-        except BaseException as exc:  # noqa: BLE001 - re-raised at finalization
-            self.error = exc
-
-    def is_done(self) -> bool:
-        return self.thread is None or not self.thread.is_alive()
-
-    def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
 
 
 class AsyncCallsQueue:
@@ -181,12 +211,20 @@ class AsyncCallsQueue:
     finalization on all ranks).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, persistent: bool = False) -> None:
+        """
+        Args:
+            persistent: run the async functions one after another in one long-lived
+                worker thread (ended by :meth:`close`) instead of a thread per request.
+        """
         self._calls: deque[_ScheduledCall] = deque()
         self._next_idx = 0
+        self.persistent = persistent
+        self._worker = _Worker() if persistent else None
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
-        """Freeze ``async_request`` and start its async function in a background thread.
+        """Freeze ``async_request``, run its ``preload_fn`` and start its async function
+        in a background thread (the persistent worker with ``persistent=True``).
 
         Args:
             async_request: the request; a request without ``async_fn`` starts no thread
@@ -196,13 +234,10 @@ class AsyncCallsQueue:
             The call index (0, 1, 2, ... in scheduling order), used in logs, errors
             and the return value of :meth:`maybe_finalize_async_calls`.
         """
-        call = _ScheduledCall(self._next_idx, async_request.freeze())
+        request = async_request._replace(is_frozen=True, call_idx=self._next_idx)
+        call = _ScheduledCall(self._next_idx, request)
+        _start(call, self._worker)
         self._next_idx += 1
-        if call.request.async_fn is not None:
-            call.thread = threading.Thread(
-                target=call.run, name=f"cloudckpt-async-save-{call.idx}", daemon=False
-            )
-            call.thread.start()
         self._calls.append(call)
         logger.debug("scheduled async checkpoint call %s", call.idx)
         return call.idx
@@ -259,6 +294,8 @@ class AsyncCallsQueue:
         Args:
             abort: wait for the running async functions but finalize nothing and run
                 no collective: the calls are dropped. For a rank that is failing.
+
+        With ``persistent=True`` the worker thread ends too.
         """
         if abort:
             for call in self._calls:
@@ -270,8 +307,17 @@ class AsyncCallsQueue:
                     [call.idx for call in self._calls],
                 )
             self._calls.clear()
+            self._stop_worker()
             return
-        self.maybe_finalize_async_calls(blocking=True)
+        try:
+            self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        """End the persistent worker thread (a later request starts a new one)."""
+        if self._worker is not None:
+            self._worker.stop()
 
     def __enter__(self) -> Self:
         return self
@@ -330,3 +376,14 @@ class AsyncCallsQueue:
             raise DistributedCheckpointError(f"{what} failed on another rank")
         error = call.error
         raise CheckpointingException(f"{what} failed: {type(error).__name__}: {error}") from error
+
+
+__all__ = [
+    "AsyncCaller",
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "FinalizeFn",
+    "PersistentAsyncCaller",
+    "TemporalAsyncCaller",
+    "_disable_gc",
+]

@@ -5,9 +5,11 @@ saves its main-replica ShardedObjects as ``<uri>/<key>/shard_<offsets>_<shape>.p
 (the object's ``unique_key`` plus ``.pt``). Both are ``torch.save`` bytes, written
 and read through :mod:`cloudckpt.storage`, the same layout as Megatron-Core.
 
-Loading unpickles (``torch.load(weights_only=False)``, as Megatron-Core does):
-only load checkpoints you trust, or pass ``weights_only=True`` to the load strategy
-when the common state holds only tensors and primitive types.
+Loading unpickles them restricted, as ``torch.load(weights_only=True)`` does, with
+cloudckpt's allow-list (:mod:`cloudckpt.safe_pickle`): a pickle that would call
+anything else raises :class:`~cloudckpt.errors.UnsafePickleError`. For a checkpoint
+you trust, ``weights_only=False`` (or ``CLOUDCKPT_TRUST_PICKLES=1``) unpickles without
+restriction, as Megatron-Core does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cloudckpt.errors import (
     CheckpointNotFoundError,
 )
 from cloudckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, FileSystem, ReadRequest, WriteResult
 from cloudckpt.strategies.base import (
     LoadCommonStrategy,
@@ -53,7 +56,7 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def load_dcp_common_state(storage: CheckpointStorage, weights_only: bool = False) -> Any:
+def load_dcp_common_state(storage: CheckpointStorage, weights_only: bool | None = None) -> Any:
     """The common state Megatron-Core 0.19+ keeps as the DCP bytes item ``common_state``.
 
     Returns None when the checkpoint has no DCP ``.metadata`` or no such item.
@@ -66,11 +69,11 @@ def load_dcp_common_state(storage: CheckpointStorage, weights_only: bool = False
         is_common_state_item,
     )
 
-    checkpoint = DcpCheckpoint(storage)
+    checkpoint = DcpCheckpoint(storage, weights_only=weights_only)
     items = [key for key in checkpoint.object_keys() if is_common_state_item(key)]
     if not items:
         return None
-    return checkpoint.read_objects(items[:1], weights_only)[items[0]]
+    return checkpoint.read_objects(items[:1])[items[0]]
 
 
 class TorchCommonSaveStrategy(CommonSaveMixin, SaveCommonStrategy):
@@ -111,8 +114,10 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, CommonLoadMixin, LoadCommon
     """Load ``common.pt`` and ShardedObjects.
 
     Args:
-        weights_only: passed to ``torch.load``; False (Megatron-Core's behaviour) allows
-            arbitrary pickled objects such as ``argparse.Namespace``.
+        weights_only: True unpickles restricted to the allow-list (see
+            :mod:`cloudckpt.safe_pickle`); False without restriction (Megatron-Core's
+            behaviour: for trusted checkpoints only); None (default) restricted unless
+            the load call or ``CLOUDCKPT_TRUST_PICKLES=1`` says otherwise.
     """
 
     def __init__(
@@ -121,7 +126,7 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, CommonLoadMixin, LoadCommon
         version: int = VERSION,
         fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
-        weights_only: bool = False,
+        weights_only: bool | None = None,
     ) -> None:
         self.backend = backend
         self.version = version
@@ -133,14 +138,15 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, CommonLoadMixin, LoadCommon
         """This strategy loads ShardedObjects."""
         return True
 
-    def _loads(self, raw: bytes) -> Any:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=self.weights_only)
+    def _loads(self, raw: bytes, where: str, what: str) -> Any:
+        return load_torch_pickle(raw, where, what, self.weights_only)
 
     def load_common_from(self, storage: CheckpointStorage) -> StateDict:
         """Read and unpickle ``common.pt``."""
         try:
-            state = self._loads(storage.read(COMMON_STATE_FNAME))
+            raw = storage.read(COMMON_STATE_FNAME)
             where = storage.child_uri(COMMON_STATE_FNAME)
+            state = self._loads(raw, where, "common state")
         except CheckpointNotFoundError as exc:
             state = load_dcp_common_state(storage, self.weights_only)
             if state is None:
@@ -162,7 +168,12 @@ class TorchCommonLoadStrategy(SingleFormatLoadMixin, CommonLoadMixin, LoadCommon
             if missing is None:  # listed, yet unreadable: not a key the checkpoint lacks
                 raise
             raise missing from exc
-        loaded = {id(o): self._loads(raw) for o, raw in zip(requested, raws, strict=True)}
+        loaded = {
+            id(o): self._loads(
+                raw, storage.child_uri(f"{o.unique_key}.pt"), f"sharded object {o.key!r}"
+            )
+            for o, raw in zip(requested, raws, strict=True)
+        }
 
         def replace(value: Any) -> Any:
             return loaded[id(value)] if isinstance(value, ShardedObject) else value

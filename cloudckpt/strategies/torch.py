@@ -19,8 +19,11 @@ rename) after every rank uploaded its data; cloudckpt's commit (``manifest.json`
 then ``metadata.json``) follows. Loading reshards to any requested layout, reading
 only the items that overlap the requested shards (ranged reads).
 
-Loading unpickles ``.metadata`` and ShardedObjects (as PyTorch and Megatron-Core do):
-only load checkpoints you trust.
+Loading unpickles ``.metadata`` restricted to DCP's metadata types
+(:mod:`cloudckpt.strategies._dcp_unpickler`) and ShardedObjects as
+``torch.load(weights_only=True)`` does with cloudckpt's allow-list
+(:mod:`cloudckpt.safe_pickle`); ``weights_only=False`` or ``CLOUDCKPT_TRUST_PICKLES=1``
+lifts both restrictions, for checkpoints you trust.
 """
 
 from __future__ import annotations
@@ -59,11 +62,22 @@ from cloudckpt.strategies._dcp_reader import (
 from cloudckpt.strategies._dcp_storage import (
     METADATA_FNAME,
     CloudStorageWriter,
+    MCoreMetadata,
+    MCoreSavePlan,
     merge_metadata,
 )
+from cloudckpt.strategies._torch_async import AsyncDcpSaveMixin
+from cloudckpt.strategies._torch_compat import (
+    MCoreLoadPlanner,
+    MCoreSavePlanner,
+    flatten_state_dict,
+    mcore_to_pyt_state_dict,
+    sharded_tensor_to_torch_sharded_tensor,
+)
 from cloudckpt.strategies.base import (
+    AsyncSaveShardedStrategy,
+    CheckpointDir,
     LoadShardedStrategy,
-    SaveShardedStrategy,
     SingleFormatLoadMixin,
     StrategyAction,
     register_default_strategy,
@@ -74,6 +88,7 @@ from cloudckpt.strategies.checkpointable import (
     LocalShardsContainer,
     is_nd_flattened,
 )
+from cloudckpt.strategies.resharding import get_reformulation_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +126,9 @@ def to_dcp_state_dict(
 class _PackedObjectsSavePlanner(DefaultSavePlanner):
     """DCP's default planner, except that bytes items are stored as the ``BytesIO``
     already holds them (``torch.save([data])``, as Megatron-Core stores ShardedObjects)
-    instead of being pickled once more."""
+    instead of being pickled once more. Unlike :class:`MCoreSavePlanner` it leaves the
+    metadata a plain DCP ``Metadata`` (the writer adds ``mcore_data``), so that no
+    cloudckpt class is pickled into a checkpoint that stock Megatron-Core must read."""
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):
@@ -127,12 +144,34 @@ def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
         state_dict_saver.save(state, storage_writer=writer, planner=planner)
 
 
-class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
+# ShardedSaveMixin.save returns the write results where AsyncSaveShardedStrategy.save
+# returns None: the synchronous save is cloudckpt's (and richer); mypy flags the overlap.
+class TorchDistSaveShardedStrategy(  # type: ignore[misc]
+    AsyncDcpSaveMixin, ShardedSaveMixin, AsyncSaveShardedStrategy
+):
     """Save ShardedTensors and ShardedObjects in the PyTorch DCP format.
+
+    An :class:`~cloudckpt.strategies.base.AsyncSaveShardedStrategy`, as Megatron-Core's:
+    :meth:`async_save` returns the save as a request; ``save`` (and ``save_to``, which
+    sessions call) write synchronously.
+
+    Megatron-Core's constructor arguments come first, in its order:
 
     Args:
         backend: must be "torch_dist".
         version: format version (1).
+        keep_only_main_replica: Megatron-Core's switch between replica_id-based
+            de-duplication (True, its recommended default) and DCP's. cloudckpt always
+            writes the main replicas only (the same bytes DCP's de-duplication keeps);
+            the value is recorded, not used.
+        thread_count: Megatron-Core's writer threads per rank. cloudckpt's concurrency
+            is the storage pool's ``max_in_flight`` (config) shared by all uploads, and
+            the number of objects follows ``object_size``; recorded, not used.
+        cached_metadata: Megatron-Core reuses the DCP plan of the previous save when
+            the structure is unchanged. cloudckpt plans every save (the plan is small
+            next to the uploads); recorded, not used.
+        separation_hint: tensors (and objects) whose key starts with it are written to
+            ``.distcp`` objects of their own, as in Megatron-Core.
         fs: an fsspec filesystem to use instead of resolving one from the URI.
         storage_options: options for the filesystem resolved from the URI.
         object_size: target size in bytes of one ``.distcp`` object (small items share
@@ -144,6 +183,10 @@ class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
         self,
         backend: str = BACKEND,
         version: int = VERSION,
+        keep_only_main_replica: bool = True,
+        thread_count: int = 2,
+        cached_metadata: bool = False,
+        separation_hint: str | None = None,
         fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
         *,
@@ -151,6 +194,13 @@ class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
         config: CheckpointConfig | None = None,
     ) -> None:
         super().__init__(backend, version)
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be positive: {thread_count}")
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.use_cached_ckpt_structure = cached_metadata
+        self.separation_hint = separation_hint
+        self._init_plan_cache()
         if object_size < 1:
             raise ValueError(f"object_size must be a positive number of bytes: {object_size}")
         self.object_size = object_size
@@ -160,6 +210,11 @@ class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         """ShardedObjects are stored as DCP bytes items."""
         return True
+
+    def _dcp_state(
+        self, sharded_state_dict: ShardedStateDict
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        return to_dcp_state_dict(sharded_state_dict)
 
     def _object_size(self, config: CheckpointConfig | None) -> int:
         """The strategy's own config's chunk size, else the save's, else ``object_size``."""
@@ -197,7 +252,11 @@ class TorchDistSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
         """
         state, extra = to_dcp_state_dict(sharded_state_dict)
         writer = CloudStorageWriter(
-            storage, self._object_size(config), self._batch_bytes(config), extra
+            storage,
+            self._object_size(config),
+            self._batch_bytes(config),
+            extra,
+            separation_hint=self.separation_hint,
         )
         try:
             dcp_save(state, writer)
@@ -260,6 +319,14 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
     """Load ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint, resharding.
 
     Reads checkpoints of cloudckpt, Megatron-Core's torch_dist backend and plain DCP.
+
+    Args:
+        backend / version: "torch_dist", 1.
+        fs / storage_options: as for the save strategy.
+        weights_only: True unpickles ``.metadata`` and ShardedObjects restricted (see
+            :mod:`cloudckpt.safe_pickle`); False without restriction (trusted
+            checkpoints only); None (default) as the load call or
+            ``CLOUDCKPT_TRUST_PICKLES`` says, restricted when neither does.
     """
 
     def __init__(
@@ -268,10 +335,15 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         version: int = VERSION,
         fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
+        weights_only: bool | None = None,
     ) -> None:
         self.backend = backend
         self.version = version
         self._set_storage(fs, storage_options)
+        self.weights_only = weights_only
+
+    def _checkpoint(self, storage: CheckpointStorage) -> DcpCheckpoint:
+        return DcpCheckpoint(storage, weights_only=self.weights_only)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -287,7 +359,7 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         objects = [v for v in values if isinstance(v, ShardedObject)]
         if not tensors and not objects:
             return dict_list_map_outplace(lambda v: v, sharded_state_dict)
-        checkpoint = DcpCheckpoint(storage)
+        checkpoint = self._checkpoint(storage)
         loaded = checkpoint.load_tensors(tensors)
         loaded.update(checkpoint.load_objects(objects))
 
@@ -296,11 +368,25 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
 
         return dict_list_map_outplace(replace, sharded_state_dict)
 
+    def load_tensors_metadata(
+        self, checkpoint_dir: CheckpointDir, metadata: Metadata | None = None
+    ) -> ShardedStateDict:
+        """``{key: ShardedTensor}`` (meta-device data) for every stored tensor.
+
+        Args:
+            checkpoint_dir: the checkpoint.
+            metadata: its DCP ``.metadata`` when the caller read it already
+                (Megatron-Core's argument); it is then not read again.
+        """
+        storage = self._storage(checkpoint_dir)
+        checkpoint = None if metadata is None else DcpCheckpoint(storage, metadata=metadata)
+        return self.tensors_metadata_from(storage, checkpoint)
+
     def tensors_metadata_from(
         self, storage: CheckpointStorage, checkpoint: DcpCheckpoint | None = None
     ) -> ShardedStateDict:
         """``{key: ShardedTensor}`` (meta-device data, one shard) for every stored tensor."""
-        checkpoint = checkpoint or DcpCheckpoint(storage)
+        checkpoint = checkpoint or self._checkpoint(storage)
         out: ShardedStateDict = {}
         for key in checkpoint.tensor_keys():
             dtype = checkpoint.tensor_metadata(key).properties.dtype
@@ -312,7 +398,7 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
 
     def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
         """Tensors (as :meth:`tensors_metadata_from`) and ShardedObjects (by unique key)."""
-        checkpoint = DcpCheckpoint(storage)  # .metadata read once for both
+        checkpoint = self._checkpoint(storage)  # .metadata read once for both
         out = self.tensors_metadata_from(storage, checkpoint)
         for key in checkpoint.object_keys():
             if is_common_state_item(key):  # Megatron-Core 0.19's common state, not an object
@@ -332,7 +418,7 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         but are no longer reachable. The manifest, when there is one, is rewritten with
         the new ``.metadata``'s size and CRC-32C.
         """
-        checkpoint = DcpCheckpoint(storage)
+        checkpoint = self._checkpoint(storage)
         metadata = checkpoint.metadata
         removed = {k for k in checkpoint.tensor_keys() if k.startswith(key_prefix)}
         if not removed:
@@ -364,3 +450,27 @@ def register_default_torch_dist_strategies() -> None:
 
 
 register_default_torch_dist_strategies()
+
+
+#: Megatron-Core's name for :func:`register_default_torch_dist_strategies`.
+register_default_torch_strategies = register_default_torch_dist_strategies
+
+__all__ = [
+    "BACKEND",
+    "VERSION",
+    "DcpBatchWriter",
+    "MCoreLoadPlanner",
+    "MCoreMetadata",
+    "MCoreSavePlan",
+    "MCoreSavePlanner",
+    "TorchDistLoadShardedStrategy",
+    "TorchDistSaveShardedStrategy",
+    "dcp_save",
+    "flatten_state_dict",
+    "get_reformulation_metadata",
+    "mcore_to_pyt_state_dict",
+    "register_default_torch_dist_strategies",
+    "register_default_torch_strategies",
+    "sharded_tensor_to_torch_sharded_tensor",
+    "to_dcp_state_dict",
+]

@@ -1,0 +1,603 @@
+"""Fully parallel save and load: spread the work on replicated shards over their replicas.
+
+Megatron-Core's names and behaviour (``megatron.core.dist_checkpointing.strategies.
+fully_parallel``, 0.15). Both wrappers take another strategy and a process group (by
+default the world; usually the data-parallel group is what the replicas span):
+
+* :class:`FullyParallelSaveStrategyWrapper` - before the wrapped strategy saves, the
+  ranks of the group exchange the metadata (no data) of their ShardedTensors, and
+  every shard that several ranks hold (same key, global offset and flattened range)
+  is given to exactly one of them, greedily balanced by bytes
+  (:func:`cloudckpt.exchange_utils.determine_main_replica_uniform_distribution`). The
+  chosen rank's copy becomes the main replica (``replica_id`` 0), every other copy
+  ``replica_id`` 1, so the wrapped strategy, which writes main replicas only, writes
+  each byte once and every rank a similar share. Shards whose main replica lies in
+  another group are left to that group.
+* :class:`FullyParallelLoadStrategyWrapper` - every shard requested by several ranks
+  of the group is read by one of them (balanced the same way), and the read tensors
+  are exchanged over ``torch.distributed`` (``exchange_algo``: ``"broadcast"`` by
+  default, or Megatron's ``"gather_object"`` / ``"gather_rounds"``; gloo on CPU
+  works), instead of every replica downloading it. ShardedObjects, when the wrapped
+  strategy reads them, are read by the rank holding their main replica and shared
+  with ``all_gather_object``.
+
+Both wrappers work with cloudckpt's sessions (``save_to`` / ``load_from`` on the
+checkpoint the session opened) and through the seeds' URI methods; in a group of one
+rank they do nothing but call the wrapped strategy.
+
+With ``do_cache_distribution``, the distribution computed by one call is reused by the
+next ones while the structure of the state dict (this rank's shard ids, sizes and
+main-replica flags) stays the same; one integer all-reduce per call checks that on
+every rank of the group, and a change anywhere recomputes the distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from cloudckpt import dist
+from cloudckpt.dict_utils import (
+    dict_list_map_inplace,
+    extract_matching_values,
+    merge,
+    nested_values,
+)
+from cloudckpt.errors import CheckpointingException
+from cloudckpt.exchange_utils import (
+    ShardDistribution,
+    determine_main_replica_uniform_distribution,
+    exchange_by_distribution,
+    exchange_loaded_objects_gather_object,
+)
+from cloudckpt.mapping import (
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
+)
+from cloudckpt.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    checkpoint_uri,
+)
+from cloudckpt.strategies.bound import bind_sharded_loader, bind_sharded_saver
+from cloudckpt.utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId
+from cloudckpt.validation import validate_sharding_integrity
+
+if TYPE_CHECKING:
+    from cloudckpt.config import CheckpointConfig
+    from cloudckpt.manifest import TensorEntry
+    from cloudckpt.storage import CheckpointStorage, WriteResult
+    from cloudckpt.strategies.async_utils import AsyncRequest
+    from cloudckpt.strategies.base import CheckpointDir
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T", ShardedObject, ShardedTensor)
+
+EXCHANGE_ALGOS = ("broadcast", "gather_object", "gather_rounds")
+
+Structure = tuple[Hashable, ...]
+"""What a cached distribution depends on: this rank's shards, sorted."""
+
+
+def _default_group(group: Any) -> Any:
+    """``group``, or the world's group (None before a process group exists)."""
+    if group is None and dist.is_distributed():
+        return torch.distributed.group.WORLD
+    return group
+
+
+def _local_structure(sharded_state_dict: ShardedStateDict) -> Structure:
+    """This rank's ShardedTensors as the distribution sees them (ids, sizes, main flag)."""
+    entries = [
+        (
+            _sharded_tensor_shard_id(sh),
+            tuple(sh.local_shape),
+            str(sh.dtype),
+            is_main_replica(sh.replica_id),
+        )
+        for sh in nested_values(sharded_state_dict)
+        if isinstance(sh, ShardedTensor)
+    ]
+    return tuple(sorted(entries, key=repr))
+
+
+class _DistributionCache:
+    """A distribution reused while every rank's structure is the one it was computed for.
+
+    A distribution set from outside (``wrapper.cached_distribution = d``, as Megatron-Core
+    allows) has no recorded structure and is trusted as it is, without the check.
+    """
+
+    def __init__(self) -> None:
+        self.distribution: ShardDistribution | None = None
+        self.structure: Structure | None = None
+
+    def reusable(self, structure: Structure, group: Any) -> bool:
+        """Whether the cached distribution fits ``structure`` on every rank of ``group``.
+        Collective over ``group`` once something is cached (one integer all-reduce)."""
+        if self.distribution is None:
+            return False
+        if self.structure is None:
+            return True
+        changed = int(structure != self.structure)
+        return dist.all_reduce_int(changed, op="max", group=group) == 0
+
+    def store(self, distribution: ShardDistribution | None, structure: Structure | None) -> None:
+        self.distribution, self.structure = distribution, structure
+
+
+def distribute_main_replicas_with_precomputed_distribution(
+    sharded_state_dict: ShardedStateDict,
+    parallelization_group: Any,
+    precomputed_distribution: ShardDistribution | None,
+) -> None:
+    """Apply a distribution: the ShardedTensors this rank was given get ``replica_id``
+    0, every other ShardedTensor ``replica_id`` 1 (in place).
+
+    Args:
+        sharded_state_dict: this rank's state dict.
+        parallelization_group: the group the distribution was computed in (None: the
+            world); in a group of one rank nothing changes.
+        precomputed_distribution: from :func:`determine_main_replica_uniform_distribution`
+            over the same group.
+
+    Raises:
+        ValueError: the group has several ranks but no distribution was given.
+
+    Example, tensors A, B, C replicated on three ranks (replica ids before: rank r
+    holds ``(0, 0, r)`` for each)::
+
+        rank 0: A 0, B 1, C 1
+        rank 1: A 1, B 0, C 1
+        rank 2: A 1, B 1, C 0
+    """
+    group = _default_group(parallelization_group)
+    if dist.get_world_size(group) <= 1:
+        return
+    if precomputed_distribution is None:
+        raise ValueError(
+            "precomputed_distribution must be given for a parallelization group of "
+            f"{dist.get_world_size(group)} ranks"
+        )
+    me = dist.get_rank(group)
+    main_rank = precomputed_distribution.main_rank_for_shard
+    in_group = precomputed_distribution.shards_in_this_group
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            shard_id = _sharded_tensor_shard_id(sh)
+            mine = shard_id in in_group and main_rank.get(shard_id) == me
+            sh.replica_id = 0 if mine else 1
+
+
+class _WrappedStorageSettings:
+    """The storage settings a session reads from a strategy (``fs``, ``storage_options``,
+    ``config``): a wrapper's are those of the strategy it wraps."""
+
+    base_strategy: SaveShardedStrategy | LoadShardedStrategy
+
+    @property
+    def fs(self) -> Any:
+        """The wrapped strategy's filesystem, if it has one."""
+        return getattr(self.base_strategy, "fs", None)
+
+    @property
+    def storage_options(self) -> Any:
+        """The wrapped strategy's fsspec options, if it has them."""
+        return getattr(self.base_strategy, "storage_options", None)
+
+    @property
+    def config(self) -> Any:
+        """The wrapped strategy's CheckpointConfig, if it has one."""
+        return getattr(self.base_strategy, "config", None)
+
+
+class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveShardedStrategy):
+    """Wraps a save strategy and spreads the writing of replicated shards over the
+    ranks that hold them, balanced by bytes; only metadata is exchanged.
+
+    The wrapped strategy must write exactly the main replicas (``replica_id`` 0), as
+    every cloudckpt and Megatron-Core strategy does.
+
+    Args:
+        strategy: the save strategy to wrap (its backend and version are recorded).
+        parallelization_group: the ranks to spread over (default: the world). It need
+            not match the data-parallel group exactly, but should cover the replicas.
+        do_cache_distribution: reuse the distribution across saves while the structure
+            of the state dict does not change (checked with one all-reduce).
+    """
+
+    def __init__(
+        self,
+        strategy: SaveShardedStrategy,
+        parallelization_group: Any = None,
+        do_cache_distribution: bool = False,
+    ) -> None:
+        super().__init__(strategy.backend, strategy.version)
+        self.base_strategy: SaveShardedStrategy = strategy
+        self.parallelization_group = _default_group(parallelization_group)
+        self.do_cache_distribution = do_cache_distribution
+        self._cache = _DistributionCache()
+
+    @property
+    def cached_distribution(self) -> ShardDistribution | None:
+        """The distribution kept for the next save (None: nothing cached)."""
+        return self._cache.distribution
+
+    @cached_distribution.setter
+    def cached_distribution(self, distribution: ShardDistribution | None) -> None:
+        self._cache.store(distribution, None)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """As the wrapped strategy."""
+        return bool(self.base_strategy.can_handle_sharded_objects)
+
+    def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
+        """Choose which rank writes each shard and set the replica ids accordingly.
+
+        Collective over the parallelization group (metadata only). The first
+        distribution is checked across the world: every tensor is still covered
+        exactly once by main replicas.
+        """
+        started = time.perf_counter()
+        group = self.parallelization_group
+        if dist.get_world_size(group) <= 1:
+            return
+        structure = _local_structure(sharded_state_dict)
+        cached = self.do_cache_distribution and self._cache.reusable(structure, group)
+        if cached:
+            distribution = self._cache.distribution
+        else:
+            distribution = determine_main_replica_uniform_distribution(sharded_state_dict, group)
+        distribute_main_replicas_with_precomputed_distribution(
+            sharded_state_dict, group, distribution
+        )
+        if not cached:
+            _validate_distributed(sharded_state_dict)
+        if self.do_cache_distribution:
+            self._cache.store(distribution, structure)
+        logger.debug(
+            "rank %d: save distribution %s in %.3f s",
+            dist.get_rank(),
+            "reused" if cached else "computed",
+            time.perf_counter() - started,
+        )
+
+    def save_to(
+        self,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None = None,
+    ) -> list[WriteResult]:
+        """Distribute, then let the wrapped strategy write this rank's share."""
+        self.apply_saving_parallelization(sharded_state_dict)
+        saver = bind_sharded_saver(self.base_strategy, storage.uri)
+        return saver.save_to(storage, sharded_state_dict, config)
+
+    def tensor_entries(
+        self, tensors: list[ShardedTensor], config: CheckpointConfig | None = None
+    ) -> list[TensorEntry]:
+        """The wrapped strategy's manifest entries."""
+        saver = bind_sharded_saver(self.base_strategy, "")
+        return saver.tensor_entries(tensors, config)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> Any:
+        """Distribute, then save with the wrapped strategy (its return value)."""
+        self.apply_saving_parallelization(sharded_state_dict)
+        return self.base_strategy.save(sharded_state_dict, checkpoint_uri(checkpoint_dir))
+
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> AsyncRequest:
+        """Distribute, then return the wrapped strategy's async request.
+
+        Raises:
+            CheckpointingException: the wrapped strategy cannot save asynchronously.
+        """
+        if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
+            raise CheckpointingException(
+                f"cannot save asynchronously with {self.base_strategy}: it is not an "
+                "AsyncSaveShardedStrategy"
+            )
+        self.apply_saving_parallelization(sharded_state_dict)
+        return self.base_strategy.async_save(sharded_state_dict, checkpoint_uri(checkpoint_dir))
+
+
+def _validate_distributed(sharded_state_dict: ShardedStateDict) -> None:
+    """Check, across the world, that the new replica ids cover every tensor once."""
+    local = [
+        sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
+    ]
+    validate_sharding_integrity(dist.all_gather_object(local))
+
+
+class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrategy):
+    """Wraps a load strategy: each shard requested by several ranks of the group is
+    read once, by one of them, and exchanged over ``torch.distributed``.
+
+    Args:
+        strategy: the load strategy to wrap.
+        parallelization_group: the ranks to spread over (default: the world; usually
+            the data-parallel group).
+        do_cache_distribution: reuse the load distribution across loads while the
+            requested structure does not change (a load distribution is never reused
+            for a save: the two are not symmetric).
+        exchange_algo: ``"broadcast"`` (default), ``"gather_object"`` or
+            ``"gather_rounds"``.
+
+    Raises:
+        ValueError: an unknown ``exchange_algo``.
+    """
+
+    def __init__(
+        self,
+        strategy: LoadShardedStrategy,
+        parallelization_group: Any = None,
+        do_cache_distribution: bool = False,
+        exchange_algo: str = "broadcast",
+    ) -> None:
+        if exchange_algo not in EXCHANGE_ALGOS:
+            raise ValueError(
+                f"unknown exchange_algo {exchange_algo!r}; expected one of {EXCHANGE_ALGOS}"
+            )
+        self.base_strategy: LoadShardedStrategy = strategy
+        self.parallelization_group = _default_group(parallelization_group)
+        self.do_cache_distribution = do_cache_distribution
+        self.exchange_algo = exchange_algo
+        self._cache = _DistributionCache()
+        self.cached_global_metadata: Any = None  # Megatron-Core's attribute; unused here
+
+    @property
+    def cached_distribution(self) -> ShardDistribution | None:
+        """The distribution kept for the next load (None: nothing cached)."""
+        return self._cache.distribution
+
+    @cached_distribution.setter
+    def cached_distribution(self, distribution: ShardDistribution | None) -> None:
+        self._cache.store(distribution, None)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """As the wrapped strategy."""
+        return bool(self.base_strategy.can_handle_sharded_objects)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """As the wrapped strategy."""
+        self.base_strategy.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """As the wrapped strategy."""
+        self.base_strategy.check_version_compatibility(loaded_version)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+    ) -> StateDict:
+        """Load ``sharded_state_dict`` from ``checkpoint_dir``, each shard read once in the
+        group. Collective over the group."""
+        uri = checkpoint_uri(checkpoint_dir)
+        return self._load(sharded_state_dict, lambda part: self.base_strategy.load(part, uri))
+
+    def load_from(
+        self, storage: CheckpointStorage, sharded_state_dict: ShardedStateDict
+    ) -> StateDict:
+        """:meth:`load` on a checkpoint a session opened."""
+        loader = bind_sharded_loader(self.base_strategy, storage.uri)
+        return self._load(sharded_state_dict, lambda part: loader.load_from(storage, part))
+
+    def _load(self, sharded_state_dict: ShardedStateDict, read: Callable[[Any], Any]) -> StateDict:
+        """Distribute, read this rank's share, exchange, fill every request in.
+
+        Steps: (1) the ranks exchange the metadata of what they request; (2) each
+        computes the same assignment of shards to readers; (3) each reads its shards
+        (and the ShardedObjects whose main replica it holds); (4) the read tensors and
+        objects are exchanged. A read failing on one rank fails on every rank of the
+        group before the exchange starts.
+        """
+        group = self.parallelization_group
+        if dist.get_world_size(group) <= 1:
+            loaded: StateDict = read(sharded_state_dict)
+            return loaded
+        distribution = self.apply_loading_parallelization(sharded_state_dict)
+        if distribution is None:
+            raise CheckpointingException("no load distribution for a group of several ranks")
+        tensors, rest, to_load, unloaded = self._defer_loading_sharded_tensors(sharded_state_dict)
+        objects, rest, objects_to_load, objects_unloaded = self._defer_loading_sharded_objects(rest)
+        leftover = list(nested_values(rest))
+        if leftover:
+            raise CheckpointingException(
+                f"fully parallel load got {len(leftover)} value(s) that are neither "
+                f"ShardedTensors nor ShardedObjects: {leftover[:5]}"
+            )
+        with dist.agree("reading this rank's share of a fully parallel load", group):
+            # the wrapped strategy is called even with nothing to read (it may be collective)
+            loaded_objects: dict[_ShardId, Any] = read(objects_to_load)
+            loaded_tensors: dict[_ShardId, torch.Tensor] = read(to_load)
+        all_tensors = exchange_by_distribution(
+            loaded_tensors, unloaded, distribution, group, self.exchange_algo
+        )
+        _require_received(unloaded, all_tensors, "tensor")
+        all_objects = exchange_loaded_objects_gather_object(loaded_objects)
+        _require_received(objects_unloaded, all_objects, "object")
+        self.fill_in_deferred_sharded_tensors(tensors, all_tensors)
+        self.fill_in_deferred_sharded_objects(objects, all_objects)
+        result: StateDict = {}
+        merge(result, objects)
+        merge(result, tensors)
+        return result
+
+    def apply_loading_parallelization(
+        self, sharded_state_dict: ShardedStateDict
+    ) -> ShardDistribution | None:
+        """Choose which rank reads each requested shard and mark it (``replica_id`` 0
+        on the reader, 1 elsewhere). Collective over the group.
+
+        Returns:
+            The distribution (None in a group of one rank).
+        """
+        group = self.parallelization_group
+        structure = _local_structure(sharded_state_dict)
+        cached = self.do_cache_distribution and self._cache.reusable(structure, group)
+        if cached:
+            distribution = self._cache.distribution
+        else:
+            distribution = determine_main_replica_uniform_distribution(
+                sharded_state_dict, group, True
+            )
+        distribute_main_replicas_with_precomputed_distribution(
+            sharded_state_dict, group, distribution
+        )
+        if self.do_cache_distribution:
+            self._cache.store(distribution, structure)
+        return distribution
+
+    @staticmethod
+    def _defer_loading_sharded_tensors(
+        sharded_state_dict: ShardedStateDict,
+    ) -> tuple[
+        ShardedStateDict,
+        ShardedStateDict,
+        dict[_ShardId, ShardedTensor],
+        dict[_ShardId, ShardedTensor],
+    ]:
+        return _defer_loading_sharded_items(
+            sharded_state_dict, ShardedTensor, _sharded_tensor_shard_id
+        )
+
+    @staticmethod
+    def _defer_loading_sharded_objects(
+        sharded_state_dict: ShardedStateDict,
+    ) -> tuple[
+        ShardedStateDict,
+        ShardedStateDict,
+        dict[_ShardId, ShardedObject],
+        dict[_ShardId, ShardedObject],
+    ]:
+        return _defer_loading_sharded_items(sharded_state_dict, ShardedObject, _sharded_object_id)
+
+    @staticmethod
+    def fill_in_deferred_sharded_tensors(
+        sharded_state_dict: ShardedStateDict, loaded_tensors: dict[_ShardId, torch.Tensor]
+    ) -> None:
+        """Replace every ShardedTensor of ``sharded_state_dict`` by its loaded tensor.
+
+        Raises:
+            CheckpointingException: a tensor's shard id is not in ``loaded_tensors``.
+        """
+        _fill_in_deferred_sharded_items(
+            sharded_state_dict, loaded_tensors, ShardedTensor, _sharded_tensor_shard_id
+        )
+
+    @staticmethod
+    def fill_in_deferred_sharded_objects(
+        sharded_state_dict: ShardedStateDict, loaded_objects: dict[_ShardId, Any]
+    ) -> None:
+        """Replace every ShardedObject of ``sharded_state_dict`` by its loaded value.
+
+        Raises:
+            CheckpointingException: an object's shard id is not in ``loaded_objects``.
+        """
+        _fill_in_deferred_sharded_items(
+            sharded_state_dict, loaded_objects, ShardedObject, _sharded_object_id
+        )
+
+    # -- metadata and removal: the wrapped strategy's ---------------------------------------
+
+    def load_tensors_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """As the wrapped strategy."""
+        return self.base_strategy.load_tensors_metadata(checkpoint_uri(checkpoint_dir))
+
+    def load_sharded_metadata(self, checkpoint_dir: CheckpointDir) -> ShardedStateDict:
+        """As the wrapped strategy."""
+        return self.base_strategy.load_sharded_metadata(checkpoint_uri(checkpoint_dir))
+
+    def remove_sharded_tensors(self, checkpoint_dir: CheckpointDir, key_prefix: str) -> None:
+        """As the wrapped strategy."""
+        self.base_strategy.remove_sharded_tensors(checkpoint_uri(checkpoint_dir), key_prefix)
+
+    def tensors_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
+        """As the wrapped strategy."""
+        return bind_sharded_loader(self.base_strategy, storage.uri).tensors_metadata_from(storage)
+
+    def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
+        """As the wrapped strategy."""
+        return bind_sharded_loader(self.base_strategy, storage.uri).sharded_metadata_from(storage)
+
+    def remove_tensors_from(self, storage: CheckpointStorage, key_prefix: str) -> None:
+        """As the wrapped strategy."""
+        bind_sharded_loader(self.base_strategy, storage.uri).remove_tensors_from(
+            storage, key_prefix
+        )
+
+
+def _require_received(
+    expected: dict[_ShardId, Any], received: dict[_ShardId, Any], what: str
+) -> None:
+    missing = set(expected) - set(received)
+    if missing:
+        raise CheckpointingException(
+            f"rank {dist.get_rank()}: {len(missing)} {what} shard(s) missing after the fully "
+            f"parallel load: {sorted(map(str, missing))[:10]}"
+        )
+
+
+def _defer_loading_sharded_items(
+    sharded_state_dict: ShardedStateDict,
+    item_type: type[T],
+    shard_id_func: Callable[[T], _ShardId],
+) -> tuple[ShardedStateDict, ShardedStateDict, dict[_ShardId, T], dict[_ShardId, T]]:
+    """Split off the items of ``item_type``, sorted into those this rank reads (main
+    replicas) and those it receives.
+
+    Returns:
+        (the items, as a nested dict; everything else; ``{shard id: item}`` this rank
+        reads; ``{shard id: item}`` other ranks read).
+    """
+    to_load: dict[_ShardId, T] = {}
+    unloaded: dict[_ShardId, T] = {}
+    items, remaining = extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, item_type)
+    )
+
+    def sort_item(x: Any) -> Any:
+        if isinstance(x, item_type):
+            target = to_load if is_main_replica(x.replica_id) else unloaded
+            target[shard_id_func(x)] = x
+        return x
+
+    dict_list_map_inplace(sort_item, items)
+    return items, remaining, to_load, unloaded
+
+
+def _fill_in_deferred_sharded_items(
+    sharded_state_dict: ShardedStateDict,
+    loaded_items: dict[_ShardId, Any],
+    item_type: type[T],
+    shard_id_func: Callable[[T], _ShardId],
+) -> None:
+    """Replace every item of ``item_type`` by its value in ``loaded_items`` (in place)."""
+
+    def fill_in(x: Any) -> Any:
+        if isinstance(x, item_type):
+            shard_id = shard_id_func(x)
+            try:
+                return loaded_items[shard_id]
+            except KeyError as exc:
+                raise CheckpointingException(
+                    f"rank {dist.get_rank()}: no loaded value for {item_type.__name__} "
+                    f"shard {shard_id}"
+                ) from exc
+        return x
+
+    dict_list_map_inplace(fill_in, sharded_state_dict)
