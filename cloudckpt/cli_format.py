@@ -358,7 +358,16 @@ def gc_lines(report: GcReport, keep_last: int) -> list[str]:
     else:
         lines.append("nothing to collect")
     lines.append(f"kept {plural(len(report.kept), 'checkpoint')}:")
-    lines += [f"  {redact_uri(uri)}" for uri in report.kept]
+    reasons = {k.uri: k for k in report.kept_why}
+    for uri in report.kept:
+        kept = reasons.get(uri)
+        lines.append(
+            f"  {redact_uri(uri)}" + ("" if kept is None else f": {kept.reason} ({kept.detail})")
+        )
+    uploads = [k for k in report.kept_why if k.uri not in set(report.kept)]
+    if uploads:
+        lines.append(f"left {plural(len(uploads), 'multipart upload')} alone:")
+        lines += [f"  {redact_uri(k.uri)}: {k.reason} ({k.detail})" for k in uploads]
     return lines
 
 

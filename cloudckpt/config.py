@@ -69,6 +69,8 @@ _CONFIG_KEYS = (
     "chunk_size",
     "retry",
     "hashed_key_prefix",
+    "collective_timeout_s",
+    "heartbeat_timeout_s",
 )
 _NESTED_OPTION_KEYS = ("client_kwargs", "config_kwargs")
 
@@ -107,6 +109,18 @@ class CheckpointConfig:
             each data object's name (``<uri>/3f/__0_0.distcp``), spreading one
             checkpoint's requests over S3 prefixes; 0 (the default) keeps DCP's flat
             layout. The DCP metadata records the paths, so readers need no setting.
+        collective_timeout_s: the longest any rank waits in one of cloudckpt's
+            collectives for the other ranks (then every waiting rank raises a
+            :class:`~cloudckpt.errors.CollectiveTimeoutError` naming the silent ranks),
+            independent of the process group's own timeout (gloo's is 30 minutes).
+            None: ``$CLOUDCKPT_COLLECTIVE_TIMEOUT_S``, else 600. It must exceed the
+            longest time one rank may legitimately wait for the others (a slower rank's
+            upload).
+        heartbeat_timeout_s: a rank whose heartbeat (a counter each rank advances in the
+            process group's store from a background thread) stops for this long while
+            others wait for it is reported lost (killed, crashed or frozen) at once, with
+            a :class:`~cloudckpt.errors.RankLostError`. None:
+            ``$CLOUDCKPT_HEARTBEAT_TIMEOUT_S``, else 15; 0 turns heartbeats off.
     """
 
     uri: str | None = None
@@ -117,6 +131,8 @@ class CheckpointConfig:
     chunk_size: int | None = DEFAULT_CHUNK_SIZE
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     hashed_key_prefix: int = 0
+    collective_timeout_s: float | None = None
+    heartbeat_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         """Validate every field; raise :class:`ConfigError` naming the field and value."""
@@ -139,6 +155,8 @@ class CheckpointConfig:
                 f"hashed_key_prefix must be an integer from 0 (off) to {MAX_HASHED_KEY_PREFIX} "
                 f"hex digits, got {prefix!r}"
             )
+        _check_optional_seconds("collective_timeout_s", self.collective_timeout_s, zero=False)
+        _check_optional_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s, zero=True)
 
     def __repr__(self) -> str:
         """Show every field (retry settings when not the defaults), with secrets in the URI
@@ -156,7 +174,12 @@ class CheckpointConfig:
         """``, retry=..., hashed_key_prefix=...`` for those not at their defaults."""
         shown = [
             f", {name}={getattr(self, name)!r}"
-            for name, default in (("retry", RetryPolicy()), ("hashed_key_prefix", 0))
+            for name, default in (
+                ("retry", RetryPolicy()),
+                ("hashed_key_prefix", 0),
+                ("collective_timeout_s", None),
+                ("heartbeat_timeout_s", None),
+            )
             if getattr(self, name) != default
         ]
         return "".join(shown)
@@ -187,6 +210,16 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
         )
     if value < low:
         raise ConfigError(f"{name}={value!r} is out of range: must be >= {low}")
+
+
+def _check_optional_seconds(name: str, value: object, *, zero: bool) -> None:
+    """None, or a positive number of seconds (or 0 where ``zero`` allows it)."""
+    if value is None:
+        return
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or value < 0 or (value == 0 and not zero):  # type: ignore[operator]
+        allowed = "a number of seconds >= 0 (0: off)" if zero else "a positive number of seconds"
+        raise ConfigError(f"{name} must be None or {allowed}, got {value!r}")
 
 
 def _check_uri(uri: object) -> None:
@@ -259,6 +292,8 @@ _CONVERTERS: dict[str, Callable[[Any], object]] = {
     "chunk_size": _to_optional_size,
     "retry": to_retry_policy,
     "hashed_key_prefix": _identity,
+    "collective_timeout_s": _identity,
+    "heartbeat_timeout_s": _identity,
 }
 
 

@@ -4,6 +4,12 @@ Every collective cloudckpt needs goes through this module, and each one also wor
 when no process group is initialised: then the world is one rank (rank 0) and the
 collectives are identities. Object collectives use the default group unless one
 is passed.
+
+Every collective is bounded (:mod:`cloudckpt.dist_guard`): the ranks first check in
+at a barrier in the process group's store, so a rank that is gone or silent makes
+the others raise a :class:`~cloudckpt.errors.CollectiveError` naming it (within
+``heartbeat_timeout_s`` for a killed or frozen rank, ``collective_timeout_s`` at
+most) instead of waiting for the backend's own timeout (gloo's is 30 minutes).
 """
 
 from __future__ import annotations
@@ -18,11 +24,28 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as torch_dist
 
+from cloudckpt.dist_guard import bounded, guarded, wrap_backend_errors
 from cloudckpt.errors import (
     CheckpointingException,
+    CollectiveError,
     DistributedCheckpointError,
     distributed_variant,
 )
+
+__all__ = [
+    "agree",
+    "all_gather_object",
+    "all_reduce_int",
+    "barrier",
+    "bounded",
+    "broadcast_object",
+    "exchange_tensors",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "raise_if_any_rank_failed",
+    "run_on_coordinator",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,36 +73,41 @@ def get_world_size(group: Any = None) -> int:
     return torch_dist.get_world_size(group) if is_distributed() else 1
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: Any = None, what: str = "barrier") -> None:
     """Wait for every rank of ``group``; a no-op in a world of one."""
     if is_distributed():
-        torch_dist.barrier(group)
+        guarded(what, lambda: torch_dist.barrier(group), group)
 
 
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
-    """Gather one picklable object from every rank, indexed by rank."""
+def all_gather_object(obj: Any, group: Any = None, what: str = "all_gather_object") -> list[Any]:
+    """Gather one picklable object from every rank, indexed by rank. ``what`` names
+    the collective in a :class:`~cloudckpt.errors.CollectiveError`."""
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * get_world_size(group)
-    torch_dist.all_gather_object(out, obj, group=group)
+    guarded(what, lambda: torch_dist.all_gather_object(out, obj, group=group), group)
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+def broadcast_object(
+    obj: Any, src: int = 0, group: Any = None, what: str = "broadcast_object"
+) -> Any:
     """Return ``src``'s ``obj`` on every rank."""
     if not is_distributed():
         return obj
     box = [obj]
-    torch_dist.broadcast_object_list(box, src=src, group=group)
+    guarded(what, lambda: torch_dist.broadcast_object_list(box, src=src, group=group), group)
     return box[0]
 
 
-def all_reduce_int(value: int, op: ReduceOp = "sum", group: Any = None) -> int:
+def all_reduce_int(
+    value: int, op: ReduceOp = "sum", group: Any = None, what: str = "all_reduce_int"
+) -> int:
     """Reduce one integer across ranks with ``op`` ("min", "max" or "sum")."""
     if not is_distributed():
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    torch_dist.all_reduce(t, op=_REDUCE_OPS[op], group=group)
+    guarded(what, lambda: torch_dist.all_reduce(t, op=_REDUCE_OPS[op], group=group), group)
     return int(t.item())
 
 
@@ -95,7 +123,14 @@ def raise_if_any_rank_failed(error: BaseException | None, what: str, group: Any 
     In a world of one the local exception is raised unchanged.
     """
     report = _Report.of(error)
-    reports = all_gather_object(report, group)
+    try:
+        reports = all_gather_object(report, group, what=f"agreeing on {what}")
+    except CollectiveError as lost:
+        if error is not None:  # this rank's own failure goes with the lost ranks
+            summary = report.summary if report is not None else ""
+            lost.args = (f"{lost}; rank {get_rank(group)} itself failed: {summary}",)
+            lost.errors[get_rank(group)] = error
+        raise lost from error
     failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
     if not failed:
         return
@@ -152,7 +187,7 @@ def run_on_coordinator(
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
             outcome = (False, _Report.of(exc))
-    ok, payload = broadcast_object(outcome, src=src, group=group)
+    ok, payload = broadcast_object(outcome, src=src, group=group, what=what)
     if ok:
         result: _T = payload
         return result
@@ -241,8 +276,13 @@ def exchange_tensors(sends: list[Transfer], recvs: list[Transfer], group: Any = 
         )
         staged.append((buffer, tensor))
         pending.append(torch_dist.irecv(buffer, peer, group=group, tag=tag))
-    for work in pending:
-        if work is not None:  # None only for a rank outside ``group``
-            work.wait()
+    peers = sorted({peer for peer, _, _ in sends} | {peer for peer, _, _ in recvs})
+
+    def wait_all() -> None:
+        for work in pending:
+            if work is not None:  # None only for a rank outside ``group``
+                work.wait()
+
+    wrap_backend_errors("exchanging tensors", wait_all, group, peers)
     for buffer, tensor in staged:
         tensor.reshape(-1).view(torch.uint8).copy_(buffer)

@@ -179,6 +179,30 @@ class StorageTimeoutError(StorageError, TimeoutError):
     URI and the deadline that passed."""
 
 
+class CollectiveError(DistributedCheckpointError):
+    """A collective of cloudckpt could not complete because some rank is gone or silent;
+    ``failures`` maps each such rank to why. Raised on every rank that is still running.
+    The process group is unusable afterwards (its ranks disagree on what comes next):
+    end the job, as after any collective timeout."""
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks named, sorted."""
+        return sorted(self.failures)
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """Some ranks did not reach one of cloudckpt's collectives within
+    ``collective_timeout_s`` (:class:`~cloudckpt.config.CheckpointConfig`); the message
+    names them and the collective."""
+
+
+class RankLostError(CollectiveError, ConnectionError):
+    """A rank died or stopped responding (killed, crashed, frozen): its heartbeat
+    stopped for ``heartbeat_timeout_s``, or its connection closed in a collective; the
+    message names it."""
+
+
 class UnsafePickleError(CheckpointingException, pickle.UnpicklingError):
     """A checkpoint's pickle (``common.pt``, a ShardedObject, DCP ``.metadata``) needs a
     global outside the allow-list, so it was not loaded: unpickling it could run code.

@@ -99,18 +99,31 @@ class RankPool:
                 ``timeout_s``; the message and ``failures`` hold every traceback
                 received and name the ranks that did not answer.
         """
-        for q in self._tasks:
-            q.put((fn, args))
-        outcomes, missing = self._collect()
-        failures = {r: out for r, (ok, out) in outcomes.items() if not ok}
-        failures.update({r: f"did not finish within {self.timeout_s:.0f} s" for r in missing})
+        outcomes = self.run_each(fn, *args)
+        failures = {r: out for r, (ok, out) in enumerate(outcomes) if not ok}
         if failures:
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
             raise DistributedCheckpointError(
                 f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(failures)}:\n{detail}",
                 failures,
             )
-        return [outcomes[r][1] for r in range(self.world_size)]
+        return [value for _, value in outcomes]
+
+    def run_each(self, fn: Callable[..., Any], *args: Any) -> list[tuple[bool, Any]]:
+        """Like :meth:`run`, but return every rank's outcome instead of raising:
+        ``(True, value)``, or ``(False, why)`` for a rank that raised (its traceback),
+        died (``rank process ... died``) or did not finish within ``timeout_s``."""
+        for q in self._tasks:
+            q.put((fn, args))
+        outcomes, missing = self._collect()
+        for rank in missing:
+            outcomes[rank] = (False, f"did not finish within {self.timeout_s:.0f} s")
+        return [outcomes[r] for r in range(self.world_size)]
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The rank processes' ids, by rank."""
+        return [p.pid for p in self._procs]
 
     def _collect(self) -> tuple[dict[int, tuple[bool, Any]], list[int]]:
         """Outcomes received by rank, and the ranks that sent none within ``timeout_s``."""

@@ -77,16 +77,19 @@ def save(
         ShardingValidationError: the sharding is inconsistent (every problem listed).
         CheckpointingException: the destination is not empty, or a rank failed to write
             (then every rank raises, naming the failed ranks).
+        CollectiveError: a rank died, froze or stayed away from a collective
+            (``RankLostError`` / ``CollectiveTimeoutError``, naming it).
     """
     default_sharded = (config.backend, 1) if config is not None else DEFAULT_SHARDED_BACKEND
-    session = SaveSession.open(
-        checkpoint_uri(checkpoint_dir),
-        _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, default_sharded),
-        _save_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND),
-        storage_options=storage_options,
-        config=config,
-    )
-    session.save(sharded_state_dict, validate_access_integrity)
+    with dist.bounded(config):
+        session = SaveSession.open(
+            checkpoint_uri(checkpoint_dir),
+            _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, default_sharded),
+            _save_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND),
+            storage_options=storage_options,
+            config=config,
+        )
+        session.save(sharded_state_dict, validate_access_integrity)
 
 
 def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, int]) -> Any:
@@ -146,9 +149,10 @@ def load(
         CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
         MissingKeysError / UnexpectedKeysError: per ``strict``.
         UnsafePickleError: a pickle needs a global outside the allow-list (names it).
+        CollectiveError: a rank died, froze or stayed away from a collective.
     """
     uri = checkpoint_uri(checkpoint_dir)
-    with weights_only_scope(weights_only):
+    with weights_only_scope(weights_only), dist.bounded(config):
         state, missing, unexpected = load_checkpoint(
             uri,
             sharded_state_dict,

@@ -278,17 +278,26 @@ class GcAction:
 @dataclass(frozen=True)
 class GcReport:
     """What :func:`collect_garbage` kept (checkpoint URIs) and did (or, with ``dry_run``,
-    would do)."""
+    would do). ``kept_why`` says why each kept checkpoint (and each open multipart
+    upload left alone) was kept: ``reason`` is ``"committed, among the newest N"``,
+    ``"uncommitted, younger than the grace period G"`` or ``"multipart upload younger
+    than the grace period G"``; ``detail`` gives its age and how to remove it now."""
 
     parent_uri: str
     dry_run: bool
     kept: tuple[str, ...]
     actions: tuple[GcAction, ...]
+    kept_why: tuple[GcAction, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (actions as dicts)."""
         doc = asdict(self)
-        return {**doc, "kept": list(self.kept), "actions": list(doc["actions"])}
+        return {
+            **doc,
+            "kept": list(self.kept),
+            "actions": list(doc["actions"]),
+            "kept_why": list(doc["kept_why"]),
+        }
 
 
 @dataclass(frozen=True)
@@ -296,6 +305,7 @@ class _Plan:
     kept: tuple[str, ...]
     removals: tuple[tuple[GcAction, CheckpointInfo], ...]
     aborts: tuple[tuple[GcAction, OpenUpload], ...]
+    kept_why: tuple[GcAction, ...] = ()
 
 
 def collect_garbage(
@@ -341,7 +351,7 @@ def collect_garbage(
         len(plan.kept),
         len(actions),
     )
-    return GcReport(parent_uri, dry_run, plan.kept, actions)
+    return GcReport(parent_uri, dry_run, plan.kept, actions, plan.kept_why)
 
 
 def _plan(
@@ -351,6 +361,11 @@ def _plan(
     uploads = parent.open_uploads()
     ordered = _newest_first(infos)
     keep = {i.name for i in ordered[:keep_last]}
+    grace = _format_grace(grace_s)
+    why: dict[str, GcAction] = {
+        i.name: GcAction(i.uri, f"committed, among the newest {keep_last}", _describe(i))
+        for i in ordered[:keep_last]
+    }
     reason_old = f"older than the newest {keep_last}"
     removals = [
         (GcAction(i.uri, reason_old, _describe(i)), i) for i in reversed(ordered[keep_last:])
@@ -360,21 +375,53 @@ def _plan(
         if info.committed:
             continue
         age = now - _last_activity(parent, parent_uri, info, uploads)
-        if age < grace_s:
+        under = _uploads_under(info.name, uploads)
+        if _within_grace(age, grace_s):
             young.add(info.name)
+            why[info.name] = GcAction(
+                info.uri,
+                f"uncommitted, younger than the grace period {grace}",
+                f"{_describe(info)}; {under}; last activity {_format_age(age)} ago; its save may "
+                "still be running; `cloudckpt gc --grace 0` or `cloudckpt rm` removes it now",
+            )
             continue
-        detail = f"{_describe(info)}; last activity {_format_age(age)} ago"
+        detail = f"{_describe(info)}; {under}; last activity {_format_age(age)} ago"
         removals.append((GcAction(info.uri, REASON_UNCOMMITTED, detail), info))
     # uploads of removed checkpoints go with them; a young checkpoint's are its save's
     spared = young | {info.name for _, info in removals}
-    aborts = [
-        (_abort_action(parent_uri, u, now), u)
-        for u in uploads
-        if u.path.split("/", 1)[0] not in spared and now - _timestamp(u.initiated) >= grace_s
-    ]
+    aborts, kept_uploads = [], []
+    for upload in uploads:
+        if upload.path.split("/", 1)[0] in spared:
+            continue
+        if _within_grace(now - _timestamp(upload.initiated), grace_s):
+            kept_uploads.append(_young_upload(parent_uri, upload, now, grace))
+        else:
+            aborts.append((_abort_action(parent_uri, upload, now), upload))
     keep |= young
     kept = tuple(i.uri for i in infos if i.name in keep)
-    return _Plan(kept, tuple(removals), tuple(aborts))
+    kept_why = tuple(why[i.name] for i in infos if i.name in why) + tuple(kept_uploads)
+    return _Plan(kept, tuple(removals), tuple(aborts), kept_why)
+
+
+def _within_grace(age: float, grace_s: float) -> bool:
+    """Whether something ``age`` seconds old is spared; with no grace (0) nothing is,
+    even when the store's clock runs ahead of this machine's (a negative age)."""
+    return grace_s > 0 and age < grace_s
+
+
+def _uploads_under(name: str, uploads: Sequence[OpenUpload]) -> str:
+    count = sum(1 for u in uploads if u.path.startswith(name + "/"))
+    return f"{count} open multipart upload{'' if count == 1 else 's'}"
+
+
+def _young_upload(parent_uri: str, upload: OpenUpload, now: float, grace: str) -> GcAction:
+    age = _format_age(now - _timestamp(upload.initiated))
+    return GcAction(
+        _child_uri(parent_uri, upload.path),
+        f"multipart upload younger than the grace period {grace}",
+        f"upload {upload.upload_id} started {upload.initiated} ({age} ago); "
+        "`cloudckpt gc --grace 0` aborts it now",
+    )
 
 
 def _describe(info: CheckpointInfo) -> str:
@@ -423,6 +470,14 @@ def _timestamp(iso: str) -> float:
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=UTC)
     return parsed.timestamp()
+
+
+def _format_grace(seconds: float) -> str:
+    """``1 h``, ``30 min`` or ``45 s``."""
+    for unit, size in (("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g} {unit}"
+    return f"{seconds:g} s"
 
 
 def _format_age(seconds: float) -> str:
