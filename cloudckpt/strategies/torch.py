@@ -56,6 +56,9 @@ from cloudckpt.strategies._dcp_reader import (
     DcpCheckpoint,
     is_common_state_item,
 )
+from cloudckpt.strategies._dcp_reader import (  # re-exported: the error a missing key raises
+    TorchDistKeyNotFoundError as TorchDistKeyNotFoundError,  # noqa: PLC0414
+)
 from cloudckpt.strategies._dcp_storage import (
     METADATA_FNAME,
     CloudStorageWriter,
