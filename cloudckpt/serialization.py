@@ -181,11 +181,14 @@ def load(
         sharded_state_dict: what to load: ShardedTensors (any sharding; data, if
             given, only sets the device), ShardedObjects, ShardedTensorFactories,
             LocalNonpersistentObjects (returned unwrapped, not read).
-        checkpoint_dir: the checkpoint URI or local path.
+        checkpoint_dir: the checkpoint URI or local path (``str`` or ``os.PathLike``).
         sharded_strategy / common_strategy: override the strategies chosen from the
             checkpoint's metadata.json (they must be compatible with it).
         validate_access_integrity: validate the requested sharding across ranks.
-        strict: a StrictHandling mode, or its value as a string.
+        strict: a StrictHandling mode, or its value as a string: what to do with
+            *missing* keys (stored, requested by no rank; ``*_ALL`` modes only) and
+            *unexpected* keys (requested here, not stored; dropped by every mode but
+            ``ASSUME_OK_UNEXPECTED``), as in Megatron-Core.
         storage_options: fsspec options for the URI's filesystem.
         config: a training-config section (storage options, in-flight requests, part
             size for ranged reads).
@@ -204,7 +207,13 @@ def load(
         UncommittedCheckpointError: the checkpoint was never committed (names the
             missing metadata.json or manifest.json).
         CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
-        MissingKeysError / UnexpectedKeysError: per ``strict``.
+        UnexpectedKeysError: ``RAISE_*`` and this rank requested keys the checkpoint does
+            not hold (Megatron-Core's "unexpected keys").
+        MissingKeysError: ``RAISE_ALL`` and the checkpoint holds keys no rank requested
+            (Megatron-Core's "missing keys").
+        TorchDistKeyNotFoundError: ``ASSUME_OK_UNEXPECTED`` (the default) and a requested
+            key is not in a torch_dist checkpoint; it is also PyTorch's
+            ``CheckpointException``, which Megatron-Core lets through there.
     """
     uri = checkpoint_uri(checkpoint_dir)
     state, missing, unexpected = load_checkpoint(
