@@ -152,25 +152,31 @@ def _read_if_exists(storage: CheckpointStorage, relpath: str) -> bytes | None:
 
 
 def no_checkpoint_error(uri: str, objects: int) -> CheckpointNotFoundError:
-    """``no checkpoint at URI``, saying what lies there instead (``objects`` of them);
-    ``uri`` redacted."""
+    """Megatron-Core's ``Checkpoint directory URI does not exist`` (nothing there) or
+    ``URI is not a distributed checkpoint`` (``objects`` objects, no commit record), with
+    cloudckpt's ``no checkpoint at URI: ...`` appended; ``uri`` redacted."""
     if not objects:
-        return CheckpointNotFoundError(f"no checkpoint at {uri!r}: nothing is stored there")
+        return CheckpointNotFoundError(
+            f"Checkpoint directory {uri} does not exist "
+            f"(no checkpoint at {uri!r}: nothing is stored there)"
+        )
     return CheckpointNotFoundError(
-        f"no checkpoint at {uri!r}: it holds {objects} object{'s' if objects != 1 else ''} "
-        f"but no {CONFIG_FNAME}, {MANIFEST_FNAME} or {CLAIM_FNAME} (a parent prefix, or "
-        "another kind of data?)"
+        f"{uri} is not a distributed checkpoint (no checkpoint at {uri!r}: it holds {objects} "
+        f"object{'s' if objects != 1 else ''} but no {CONFIG_FNAME}, {MANIFEST_FNAME} or "
+        f"{CLAIM_FNAME}: a parent prefix, or another kind of data?)"
     )
 
 
 def _not_committed_error(
     storage: CheckpointStorage, state: CommitState
 ) -> CheckpointNotFoundError | UncommittedCheckpointError:
-    """Why a checkpoint in ``state`` cannot be loaded: none there, or not committed."""
+    """Why a checkpoint in ``state`` cannot be loaded: none there, or not committed
+    (Megatron-Core's ``URI is not a distributed checkpoint``, with the details)."""
     if state.absent:
         return no_checkpoint_error(storage.uri, len(storage.list()))
     return UncommittedCheckpointError(
-        f"checkpoint {storage.uri!r} is not committed: {' and '.join(state.missing())} "
+        f"{storage.uri} is not a distributed checkpoint: checkpoint {storage.uri!r} is not "
+        f"committed: {' and '.join(state.missing())} "
         f"{'is' if len(state.missing()) == 1 else 'are'} missing (the save failed, is still "
         "running, or the file was deleted); `cloudckpt verify` shows what is there"
     )

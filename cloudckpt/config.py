@@ -98,7 +98,7 @@ class CheckpointConfig:
             path), or None when the caller supplies it later.
         storage_options: fsspec filesystem options (``endpoint_url``, ``key``, ``secret``,
             ``token``, ``client_kwargs``, ...); stored as a plain ``dict`` copy.
-        backend: sharded backend name ("zarr", "torch_dist").
+        backend: sharded backend name ("torch_dist", the default as in Megatron-Core, or "zarr").
         part_size: multipart upload part size in bytes, within S3's limits.
         max_in_flight: the most storage requests one process keeps in flight.
         chunk_size: shards larger than this many bytes are split into several objects;
@@ -125,7 +125,7 @@ class CheckpointConfig:
 
     uri: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    backend: str = "zarr"
+    backend: str = "torch_dist"
     part_size: int = DEFAULT_PART_SIZE
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     chunk_size: int | None = DEFAULT_CHUNK_SIZE

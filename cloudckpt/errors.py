@@ -93,14 +93,17 @@ class StrategyNotFoundError(CheckpointingException, KeyError):
 
 
 class MissingKeysError(CheckpointingException, KeyError):
-    """Keys requested by a load are absent from the checkpoint (strict loading)."""
+    """The checkpoint holds keys that no rank's load requested (``strict=RAISE_ALL``);
+    Megatron-Core's "missing keys"."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
 
 class UnexpectedKeysError(CheckpointingException, KeyError):
-    """The checkpoint holds keys the load did not request (strict loading)."""
+    """Keys this rank's load requested are not in the checkpoint (``strict=RAISE_*``);
+    Megatron-Core's "unexpected keys". When keys are also missing (``RAISE_ALL``), the
+    message lists both."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""

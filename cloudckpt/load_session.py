@@ -53,7 +53,7 @@ from cloudckpt.strategies.bound import (
     bind_sharded_loader,
 )
 from cloudckpt.validation import (
-    DROPS_MISSING,
+    ALL_MODES,
     StrictHandling,
     parse_strict_flag,
     report_mismatch,
@@ -261,9 +261,10 @@ def load_checkpoint(
 def _apply_strictness(
     session: LoadSession, request: LoadRequest, strict: StrictHandling, validate: bool
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
-    """Validate the requested sharding and handle missing / unexpected keys per
-    ``strict``. Collective; a rank that raises (keys missing there only) makes every
-    rank raise."""
+    """Validate the requested sharding and handle missing keys (stored, requested by no
+    rank; ``*_ALL`` modes only) and unexpected keys (requested here, not stored) per
+    ``strict``; unexpected keys are dropped from the request. Collective; a rank that
+    raises (unexpected keys there only) makes every rank raise."""
     shown = session.storage.uri
     local = request.local
     needs_global = validate or StrictHandling.requires_global_app_metadata(strict)
@@ -274,13 +275,17 @@ def _apply_strictness(
         return request.sharded, set(), set()
     with dist.agree(f"checking the keys of checkpoint {shown!r}"):
         stored = session.stored_keys()
-        missing = {sh.key for sh in local} - stored
-        unexpected = stored - {sh.key for shards in global_metadata for sh in shards}
+        unexpected = {sh.key for sh in local} - stored
+        missing: set[str] = set()
+        if strict in ALL_MODES:
+            missing = stored - {sh.key for shards in global_metadata for sh in shards}
         where = f"checkpoint {shown!r}, rank {dist.get_rank()}"
         report_mismatch(where, strict, missing, unexpected)
     sharded = request.sharded
-    if missing and strict in DROPS_MISSING:
+    if unexpected:
         _, sharded = extract_matching_values(
-            sharded, lambda v: isinstance(v, ShardedBase) and v.key in missing
+            sharded, lambda v: isinstance(v, ShardedBase) and v.key in unexpected
         )
+    if strict == StrictHandling.IGNORE_ALL:
+        return sharded, set(), set()
     return sharded, missing, unexpected

@@ -17,14 +17,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from cloudckpt import dist
-from cloudckpt.commit import read_commit_state
+from cloudckpt.commit import open_committed, read_commit_state
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.load_session import LoadSession, load_checkpoint
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict
 from cloudckpt.redact import redact_uri
 from cloudckpt.safe_pickle import weights_only_scope
-from cloudckpt.session import SaveSession, open_storage
+from cloudckpt.session import PreprocessCommon, SaveSession, open_storage
+from cloudckpt.strategies.async_utils import AsyncRequest
 from cloudckpt.strategies.base import (
+    CheckpointDir,
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,
@@ -37,7 +39,8 @@ from cloudckpt.validation import StrictHandling, parse_strict_flag
 
 _T = TypeVar("_T")
 
-DEFAULT_SHARDED_BACKEND = ("zarr", 1)
+DEFAULT_SHARDED_BACKEND = ("torch_dist", 1)
+CONTENT_METADATA_KEY = "content_metadata"
 DEFAULT_COMMON_BACKEND = ("torch", 1)
 
 SaveShardedArg = SaveShardedStrategy | tuple[str, int] | None
@@ -47,14 +50,17 @@ LoadResult = StateDict | tuple[StateDict, set[str], set[str]]
 
 def save(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: str,
+    checkpoint_dir: CheckpointDir,
     sharded_strategy: SaveShardedArg = None,
     common_strategy: SaveCommonArg = None,
     validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: PreprocessCommon | None = None,
+    content_metadata: dict[str, Any] | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
-) -> None:
+) -> AsyncRequest | None:
     """Save a sharded state dict to ``checkpoint_dir`` (a URI or local path). Collective.
 
     Args:
@@ -62,16 +68,31 @@ def save(
             ShardedTensorFactories, LocalNonpersistentObjects and plain values
             (the plain values of rank 0 become the common state). Factories are
             applied in place, as in Megatron-Core.
-        checkpoint_dir: destination; it must hold no objects yet.
+        checkpoint_dir: destination (a ``str`` URI or path, or a local
+            ``os.PathLike``); it must hold no objects yet.
         sharded_strategy: a save strategy or a (backend, version) pair; default: the
-            config's backend (zarr) at version 1.
+            config's backend, else torch_dist at version 1 (as Megatron-Core).
         common_strategy: a common-state strategy or pair; default torch v1.
         validate_access_integrity: check, across ranks, that every tensor is covered
-            exactly once by main replicas and that shard metadata agrees.
+            exactly once by main replicas and that shard metadata agrees, and compare
+            every rank's common state with rank 0's (differences logged at WARNING).
+        async_sharded_save: stage every object in host memory now and return an
+            :class:`~cloudckpt.strategies.async_utils.AsyncRequest` whose ``async_fn``
+            uploads them and whose finalize function commits (``metadata.json`` is
+            written then); schedule it on every rank (e.g. on an
+            :class:`~cloudckpt.strategies.async_utils.AsyncCallsQueue`).
+        preprocess_common_before_consistancy_check: applied to the common state before
+            the cross-rank comparison (e.g. to drop keys expected to differ); it must
+            not modify its argument. Megatron-Core's spelling.
+        content_metadata: stored in the common state under ``"content_metadata"``
+            (:func:`load_content_metadata` returns it), as Megatron-Core does.
         storage_options: fsspec options for the URI's filesystem (credentials, endpoint);
             they override the config's and the environment's.
         config: a training-config section (:func:`cloudckpt.config.from_dict`): storage
             options, backend, part size, in-flight requests, chunk size.
+
+    Returns:
+        None, or with ``async_sharded_save`` the request to schedule.
 
     Raises:
         ShardingValidationError: the sharding is inconsistent (every problem listed).
@@ -89,7 +110,53 @@ def save(
             storage_options=storage_options,
             config=config,
         )
-        session.save(sharded_state_dict, validate_access_integrity)
+        if content_metadata is not None:
+            sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
+        preprocess = preprocess_common_before_consistancy_check
+        if async_sharded_save:
+            return session.save_async(sharded_state_dict, validate_access_integrity, preprocess)
+        session.save(sharded_state_dict, validate_access_integrity, preprocess)
+        return None
+
+
+def get_default_save_sharded_strategy(
+    backend: str = "torch_dist", version: int = 1
+) -> SaveShardedStrategy:
+    """The registered save strategy for ``(backend, version)`` (default torch_dist v1)."""
+    strategy: SaveShardedStrategy = get_default_strategy(
+        StrategyAction.SAVE_SHARDED, backend, version
+    )
+    return strategy
+
+
+def get_default_save_common_strategy(
+    backend: str = "torch", version: int = 1
+) -> SaveCommonStrategy:
+    """The registered common-state save strategy for ``(backend, version)`` (torch v1)."""
+    strategy: SaveCommonStrategy = get_default_strategy(
+        StrategyAction.SAVE_COMMON, backend, version
+    )
+    return strategy
+
+
+def get_default_load_sharded_strategy(
+    checkpoint_dir: CheckpointDir,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+) -> LoadShardedStrategy:
+    """The registered load strategy for the backend and version ``metadata.json`` of
+    the checkpoint at ``checkpoint_dir`` records.
+
+    Raises:
+        CheckpointNotFoundError / UncommittedCheckpointError: as :func:`load`.
+    """
+    uri = checkpoint_uri(checkpoint_dir)
+    backends = open_committed(open_storage(uri, None, storage_options, config)).backends
+    strategy: LoadShardedStrategy = get_default_strategy(
+        StrategyAction.LOAD_SHARDED, backends.sharded_backend, backends.sharded_backend_version
+    )
+    return strategy
 
 
 def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, int]) -> Any:
@@ -102,7 +169,7 @@ def _save_strategy(action: StrategyAction, strategy: Any, default: tuple[str, in
 
 def load(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: str,
+    checkpoint_dir: CheckpointDir,
     sharded_strategy: LoadShardedStrategy | None = None,
     common_strategy: LoadCommonStrategy | None = None,
     validate_access_integrity: bool = True,
@@ -119,11 +186,14 @@ def load(
         sharded_state_dict: what to load: ShardedTensors (any sharding; data, if
             given, only sets the device), ShardedObjects, ShardedTensorFactories,
             LocalNonpersistentObjects (returned unwrapped, not read).
-        checkpoint_dir: the checkpoint URI or local path.
+        checkpoint_dir: the checkpoint URI or local path (``str`` or ``os.PathLike``).
         sharded_strategy / common_strategy: override the strategies chosen from the
             checkpoint's metadata.json (they must be compatible with it).
         validate_access_integrity: validate the requested sharding across ranks.
-        strict: a StrictHandling mode, or its value as a string.
+        strict: a StrictHandling mode, or its value as a string: what to do with
+            *missing* keys (stored, requested by no rank; ``*_ALL`` modes only) and
+            *unexpected* keys (requested here, not stored; dropped by every mode but
+            ``ASSUME_OK_UNEXPECTED``), as in Megatron-Core.
         storage_options: fsspec options for the URI's filesystem.
         config: a training-config section (storage options, in-flight requests, part
             size for ranged reads).
@@ -147,7 +217,13 @@ def load(
         UncommittedCheckpointError: the checkpoint was never committed (names the
             missing metadata.json or manifest.json).
         CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
-        MissingKeysError / UnexpectedKeysError: per ``strict``.
+        UnexpectedKeysError: ``RAISE_*`` and this rank requested keys the checkpoint does
+            not hold (Megatron-Core's "unexpected keys").
+        MissingKeysError: ``RAISE_ALL`` and the checkpoint holds keys no rank requested
+            (Megatron-Core's "missing keys").
+        TorchDistKeyNotFoundError: ``ASSUME_OK_UNEXPECTED`` (the default) and a requested
+            key is not in a torch_dist checkpoint; it is also PyTorch's
+            ``CheckpointException``, which Megatron-Core lets through there.
         UnsafePickleError: a pickle needs a global outside the allow-list (names it).
         CollectiveError: a rank died, froze or stayed away from a collective.
     """
@@ -195,7 +271,7 @@ def _session(
 
 
 def load_common_state_dict(
-    checkpoint_dir: str,
+    checkpoint_dir: CheckpointDir,
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
@@ -222,8 +298,37 @@ def load_common_state_dict(
     )
 
 
+def load_content_metadata(
+    checkpoint_dir: CheckpointDir | None = None,
+    *,
+    preloaded_state_dict: StateDict | None = None,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+) -> dict[str, Any] | None:
+    """The ``content_metadata`` given to :func:`save`, or None if it was given none.
+
+    Args:
+        checkpoint_dir: the checkpoint (its common state is read), unless
+            ``preloaded_state_dict`` is given.
+        preloaded_state_dict: a state dict already loaded from the checkpoint (the
+            result of :func:`load` or :func:`load_common_state_dict`): no read.
+        storage_options / config: as for :func:`load`.
+
+    Raises:
+        ValueError: neither ``checkpoint_dir`` nor ``preloaded_state_dict`` is given.
+    """
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise ValueError("Both checkpoint_dir and preloaded_state_dict cannot be None")
+        preloaded_state_dict = load_common_state_dict(
+            checkpoint_dir, storage_options=storage_options, config=config
+        )
+    metadata: dict[str, Any] | None = preloaded_state_dict.get(CONTENT_METADATA_KEY)
+    return metadata
+
+
 def load_tensors_metadata(
-    checkpoint_dir: str,
+    checkpoint_dir: CheckpointDir,
     sharded_strategy: LoadShardedStrategy | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -253,7 +358,7 @@ def load_tensors_metadata(
 
 
 def load_sharded_metadata(
-    checkpoint_dir: str,
+    checkpoint_dir: CheckpointDir,
     sharded_strategy: LoadShardedStrategy | None = None,
     common_strategy: LoadCommonStrategy | None = None,
     *,
@@ -286,7 +391,7 @@ def load_sharded_metadata(
 
 
 def load_plain_tensors(
-    checkpoint_dir: str,
+    checkpoint_dir: CheckpointDir,
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
@@ -313,7 +418,7 @@ def load_plain_tensors(
 
 
 def remove_sharded_tensors(
-    checkpoint_dir: str,
+    checkpoint_dir: CheckpointDir,
     key_prefix: str,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -341,7 +446,7 @@ def remove_sharded_tensors(
 
 
 def check_is_distributed_checkpoint(
-    checkpoint_dir: str,
+    checkpoint_dir: CheckpointDir,
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from cloudckpt.commit import claim, commit, require_empty
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dict_utils import (
+    diff,
     extract_matching_values,
     nested_values,
 )
@@ -46,6 +47,8 @@ from cloudckpt.mapping import (
 )
 from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint, validate_relpath
+from cloudckpt.storage.staging import StagingStorage
+from cloudckpt.strategies.async_utils import AsyncRequest
 from cloudckpt.strategies.base import (
     SaveCommonStrategy,
     SaveShardedStrategy,
@@ -53,6 +56,7 @@ from cloudckpt.strategies.base import (
 from cloudckpt.strategies.bound import (
     CommonSaver,
     ShardedSaver,
+    StorageBackedMixin,
     bind_common_saver,
     bind_sharded_saver,
 )
@@ -63,6 +67,13 @@ from cloudckpt.validation import (
 logger = logging.getLogger(__name__)
 
 COORDINATOR = 0
+
+REGULAR_GRID_BACKENDS = frozenset({"zarr"})
+"""Backends that store each tensor on a regular grid of equal chunks (no uneven shards)."""
+
+PreprocessCommon = Callable[[StateDict], StateDict]
+"""``save``'s ``preprocess_common_before_consistancy_check``: common state -> what is
+compared across ranks (it must not modify its argument)."""
 
 StateParts = tuple[ShardedStateDict, ShardedStateDict, StateDict, ShardedStateDict]
 """(sharded objects, sharded tensors, common state, objects and tensors)."""
@@ -194,19 +205,71 @@ class SaveSession:
             config,
         )
 
-    def save(self, sharded_state_dict: ShardedStateDict, validate: bool = True) -> Manifest | None:
+    def save(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        validate: bool = True,
+        preprocess_common: PreprocessCommon | None = None,
+    ) -> Manifest | None:
         """Prepare, validate, claim, write and commit. Collective. Returns the manifest
         on the coordinator."""
         started = time.perf_counter()
         shown = self.storage.uri
         parts = self._prepare(sharded_state_dict, validate)
+        if validate:
+            check_common_consistency(parts[2], preprocess_common, shown)
         claimed = claim(self.storage)
         results: list[WriteResult] = [claimed] if claimed is not None else []
         with dist.agree(f"saving checkpoint {shown!r}"), logged_failure("save", shown):
             results += self._write(parts)
+        manifest = self._commit(parts, results, claimed)
+        log_rate("saved", shown, sum(r.size for r in results), len(results), started)
+        return manifest
+
+    def save_async(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        validate: bool = True,
+        preprocess_common: PreprocessCommon | None = None,
+    ) -> AsyncRequest:
+        """Prepare, validate, claim and run the strategies now, staging every object in
+        host memory; return the request whose ``async_fn`` uploads this rank's objects
+        and whose finalize function commits. Collective (and so is finalizing)."""
+        started = time.perf_counter()
+        shown = self.storage.uri
+        if not isinstance(self.sharded, StorageBackedMixin) or not isinstance(
+            self.common, StorageBackedMixin
+        ):
+            raise CheckpointingException(
+                f"Cannot apply async_save to non-async strategy {self.sharded}: it writes "
+                f"{shown!r} itself, so its writes cannot be staged (rank {dist.get_rank()})"
+            )
+        parts = self._prepare(sharded_state_dict, validate)
+        if validate:
+            check_common_consistency(parts[2], preprocess_common, shown)
+        claimed = claim(self.storage)
+        staging = StagingStorage.over(self.storage)
+        results: list[WriteResult] = [claimed] if claimed is not None else []
+        with dist.agree(f"staging checkpoint {shown!r}"), logged_failure("stage", shown):
+            results += self._write(parts, staging)
+        logger.debug("rank %d staged %d bytes for %s", dist.get_rank(), staging.staged_bytes, shown)
+
+        def upload() -> None:
+            with logged_failure("upload", shown):
+                staging.upload()
+
+        def finalize() -> None:
+            self._commit(parts, results, claimed)
+            log_rate("saved", shown, sum(r.size for r in results), len(results), started)
+
+        return AsyncRequest(upload, (), [finalize])
+
+    def _commit(
+        self, parts: StateParts, results: list[WriteResult], claimed: WriteResult | None
+    ) -> Manifest | None:
         _, tensors, common, _ = parts
         shards = [v for v in nested_values(tensors) if isinstance(v, ShardedTensor)]
-        manifest = commit(
+        return commit(
             self.storage,
             results,
             self.backends,
@@ -214,8 +277,6 @@ class SaveSession:
             common_key_paths(common) if dist.get_rank() == COORDINATOR else [],
             claimed=claimed,
         )
-        log_rate("saved", shown, sum(r.size for r in results), len(results), started)
-        return manifest
 
     def _prepare(self, sharded_state_dict: ShardedStateDict, validate: bool) -> StateParts:
         """Apply factories, split, check keys and (collectively) the sharding."""
@@ -225,19 +286,47 @@ class SaveSession:
             parts = split_state_dict(sharded_state_dict)
             local = local_metadata(parts[0], shown) + local_metadata(parts[1], shown)
         if validate:
-            validate_sharding_integrity(dist.all_gather_object(local), shown)
+            backend = self.backends.sharded_backend
+            grid = backend if backend in REGULAR_GRID_BACKENDS else None
+            validate_sharding_integrity(dist.all_gather_object(local), shown, grid)
         return parts
 
-    def _write(self, parts: StateParts) -> list[WriteResult]:
+    def _write(
+        self, parts: StateParts, storage: CheckpointStorage | None = None
+    ) -> list[WriteResult]:
         """This rank's objects: tensors (and objects, when the sharded strategy handles
-        them), the common state on the coordinator, else objects by the common strategy."""
+        them), the common state on the coordinator, else objects by the common strategy;
+        through ``storage`` (default: the session's)."""
+        storage = storage or self.storage
         objects, tensors, common, sharded = parts
         with_objects = self.objects_with_tensors
-        results = self.sharded.save_to(
-            self.storage, sharded if with_objects else tensors, self.config
-        )
+        results = self.sharded.save_to(storage, sharded if with_objects else tensors, self.config)
         if dist.get_rank() == COORDINATOR:
-            results += self.common.save_common_to(self.storage, common)
+            results += self.common.save_common_to(storage, common)
         if not with_objects:
-            results += self.common.save_objects_to(self.storage, objects)
+            results += self.common.save_objects_to(storage, objects)
         return results
+
+
+def check_common_consistency(
+    common: StateDict, preprocess: PreprocessCommon | None, shown: str
+) -> None:
+    """Compare every rank's common state (after ``preprocess``, which must not modify
+    it) with rank 0's and log at WARNING where they differ, as Megatron-Core does (only
+    rank 0's is saved). Collective; a no-op in a world of one."""
+    if dist.get_world_size() == 1:
+        return
+    with dist.agree(f"preprocessing the common state of {shown!r}"):
+        mine = preprocess(common) if preprocess is not None else common
+    reference = dist.broadcast_object(mine if dist.get_rank() == COORDINATOR else None)
+    rank = dist.get_rank()
+    if rank == COORDINATOR:
+        return
+    only_rank0, only_here, mismatch = diff(reference, mine)
+    if only_rank0 or only_here or mismatch:
+        logger.warning(
+            "Rank %d common state dict differs from rank 0 common state dict. "
+            "Keys only on rank 0: %s, Keys only on %d: %s, Mismatched keys: %s "
+            "(checkpoint %s; only rank 0's common state is saved)",
+            rank, only_rank0, rank, only_here, [m[0] for m in mismatch], shown,
+        )

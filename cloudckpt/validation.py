@@ -3,11 +3,15 @@
 :func:`validate_sharding_integrity` takes the sharding metadata of every rank (the
 ``without_data()`` copies gathered from all ranks) and checks, per key:
 
-* every shard of a ShardedTensor agrees on dtype, global shape, local shape and on
-  being flattened or not, and sits on the regular grid of chunks its local shape
-  defines;
-* the main replicas cover every chunk exactly once (flattened ranges must tile each
-  chunk without gaps or overlaps);
+* every shard of a ShardedTensor agrees on dtype, global shape and on being flattened
+  or not;
+* shards of one local shape (the common case) sit on the regular grid of chunks it
+  defines, and the main replicas cover every chunk exactly once (flattened ranges must
+  tile each chunk without gaps or overlaps);
+* shards of different local shapes (*uneven* sharding, valid in Megatron-Core with
+  torch_dist) must not declare a grid (``axis_fragmentations=None``) nor be flattened,
+  and their main replicas must cover the tensor without gaps or overlaps; a backend
+  that needs a regular grid (zarr: one chunk shape per array) refuses them;
 * for ShardedObjects, main replicas have unique offsets, one per grid cell;
 * no key is used both for tensors and for objects.
 
@@ -37,12 +41,17 @@ RankShard = tuple[int, ShardedBase]
 
 
 class StrictHandling(Enum):
-    """What a load does with missing keys (requested, not in the checkpoint) and
-    unexpected keys (in the checkpoint, requested by no rank).
+    """What a load does when the requested keys and the checkpoint's keys differ.
 
-    Modes that drop missing keys (``LOG_ALL``, ``RETURN_ALL``, ``IGNORE_ALL``) load
-    everything else; ``RETURN_*`` make ``load`` return
-    ``(state_dict, missing_keys, unexpected_keys)``.
+    As in Megatron-Core, *missing* keys are stored in the checkpoint but requested by
+    no rank, and *unexpected* keys are requested (by this rank) but absent from the
+    checkpoint. Missing keys need every rank's requested keys (one all-gather), so only
+    the ``*_ALL`` modes compute them; ``*_UNEXPECTED`` modes report missing keys as
+    empty. Every mode except ``ASSUME_OK_UNEXPECTED`` reads the checkpoint's key list
+    first and drops the unexpected keys from the request, so the rest loads (unless the
+    mode raises); ``ASSUME_OK_UNEXPECTED`` leaves them to the sharded strategy, which
+    raises (for torch_dist, a PyTorch ``CheckpointException``). ``RETURN_*`` make
+    ``load`` return ``(state_dict, missing_keys, unexpected_keys)``.
     """
 
     ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
@@ -56,13 +65,13 @@ class StrictHandling(Enum):
 
     @staticmethod
     def requires_explicit_ckpt_mismatch_check(val: StrictHandling) -> bool:
-        """Whether unexpected keys must be computed (needs all ranks' requested keys)."""
+        """Whether the checkpoint's keys are read to find unexpected keys."""
         return val != StrictHandling.ASSUME_OK_UNEXPECTED
 
     @staticmethod
     def requires_global_app_metadata(val: StrictHandling) -> bool:
-        """Whether the requested keys of every rank are needed (to find unexpected keys)."""
-        return StrictHandling.requires_explicit_ckpt_mismatch_check(val)
+        """Whether every rank's requested keys are gathered (to find missing keys)."""
+        return val in ALL_MODES
 
     @staticmethod
     def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
@@ -70,9 +79,15 @@ class StrictHandling(Enum):
         return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 
-DROPS_MISSING = frozenset(
-    {StrictHandling.LOG_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL}
+ALL_MODES = frozenset(
+    {
+        StrictHandling.LOG_ALL,
+        StrictHandling.RAISE_ALL,
+        StrictHandling.RETURN_ALL,
+        StrictHandling.IGNORE_ALL,
+    }
 )
+"""The modes that compute missing keys (and so gather every rank's requested keys)."""
 
 
 def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
@@ -86,25 +101,43 @@ def parse_strict_flag(strict: str | StrictHandling) -> StrictHandling:
         raise ValueError(f"unknown strict handling {strict!r}; expected one of: {valid}") from None
 
 
+def mismatch_message(missing: set[str], unexpected: set[str], where: str) -> str:
+    """Megatron-Core's wording for a key mismatch, with ``where`` (checkpoint, rank)
+    appended; keys are listed sorted."""
+    titles, bodies = [], []
+    if missing:
+        titles.append(
+            "Some keys found in the checkpoint are missing in the provided sharded state dict."
+        )
+        bodies.append(f"Missing keys (for all ranks): {sorted(missing)}.")
+    if unexpected:
+        titles.append(
+            "Unexpected keys (not found in the checkpoint) encountered in the provided "
+            "sharded state dict."
+        )
+        bodies.append(f"Unexpected keys (for this rank): {sorted(unexpected)}.")
+    return " ".join(titles) + "\n" + " ".join(bodies) + f" ({where})"
+
+
 def report_mismatch(
     where: str, strict: StrictHandling, missing: set[str], unexpected: set[str]
 ) -> None:
-    """Raise or log missing / unexpected keys as ``strict`` asks; ``where`` names the
-    checkpoint and rank.
+    """Raise (``RAISE_*``) or log at WARNING (``LOG_*``) the missing and unexpected keys;
+    other modes do nothing. ``where`` names the checkpoint and rank.
 
     Raises:
-        MissingKeysError / UnexpectedKeysError: per ``strict``.
+        UnexpectedKeysError: ``RAISE_*`` and some requested keys are not in the
+            checkpoint (the message lists the missing keys too, if any).
+        MissingKeysError: ``RAISE_ALL``, no unexpected keys, and some stored keys are
+            requested by no rank.
     """
-    if strict in (StrictHandling.RAISE_ALL,) and missing:
-        raise MissingKeysError(f"{where}: requested keys not in the checkpoint: {sorted(missing)}")
-    if strict in (StrictHandling.RAISE_ALL, StrictHandling.RAISE_UNEXPECTED) and unexpected:
-        raise UnexpectedKeysError(
-            f"{where}: checkpoint keys requested by no rank: {sorted(unexpected)}"
-        )
-    if strict in (StrictHandling.LOG_ALL,) and missing:
-        logger.warning("%s: requested keys not in the checkpoint: %s", where, sorted(missing))
-    if strict in (StrictHandling.LOG_ALL, StrictHandling.LOG_UNEXPECTED) and unexpected:
-        logger.warning("%s: checkpoint keys requested by no rank: %s", where, sorted(unexpected))
+    if not missing and not unexpected:
+        return
+    if strict in (StrictHandling.RAISE_ALL, StrictHandling.RAISE_UNEXPECTED):
+        error = UnexpectedKeysError if unexpected else MissingKeysError
+        raise error(mismatch_message(missing, unexpected, where))
+    if strict in (StrictHandling.LOG_ALL, StrictHandling.LOG_UNEXPECTED):
+        logger.warning("%s", mismatch_message(missing, unexpected, where))
 
 
 def group_by_key(global_shards: Sequence[Iterable[ShardedBase]]) -> dict[str, list[RankShard]]:
@@ -117,13 +150,17 @@ def group_by_key(global_shards: Sequence[Iterable[ShardedBase]]) -> dict[str, li
 
 
 def validate_sharding_integrity(
-    global_shards: Sequence[Iterable[ShardedBase]], uri: str = ""
+    global_shards: Sequence[Iterable[ShardedBase]],
+    uri: str = "",
+    regular_grid_for: str | None = None,
 ) -> None:
     """Check the sharding of a whole (all ranks) sharded state dict.
 
     Args:
         global_shards: per rank, the ShardedTensors and ShardedObjects (data not needed).
         uri: the checkpoint, for the message.
+        regular_grid_for: the name of the backend about to save, when it needs every
+            tensor on a regular grid (zarr): uneven shards are then a violation.
 
     Raises:
         ShardingValidationError: listing every violation found.
@@ -134,7 +171,7 @@ def validate_sharding_integrity(
         if len(kinds) > 1:
             violations.append(f"key {key!r} is used by {' and '.join(sorted(kinds))} at once")
         elif isinstance(entries[0][1], ShardedTensor):
-            violations.extend(_tensor_violations(key, entries))
+            violations.extend(_tensor_violations(key, entries, regular_grid_for))
         elif isinstance(entries[0][1], ShardedObject):
             violations.extend(_object_violations(key, entries))
     if violations:
@@ -166,7 +203,7 @@ def _describe(ranks: Iterable[int]) -> str:
 
 def _metadata_violations(key: str, entries: list[RankShard]) -> list[str]:
     out = []
-    for attr in ("dtype", "global_shape", "local_shape"):
+    for attr in ("dtype", "global_shape"):
         values: dict[object, list[int]] = defaultdict(list)
         for rank, sh in entries:
             value = getattr(sh, attr)
@@ -180,10 +217,14 @@ def _metadata_violations(key: str, entries: list[RankShard]) -> list[str]:
     return out
 
 
-def _tensor_violations(key: str, entries: list[RankShard]) -> list[str]:
+def _tensor_violations(
+    key: str, entries: list[RankShard], regular_grid_for: str | None = None
+) -> list[str]:
     out = _metadata_violations(key, entries)
     if out:
         return out
+    if len({tuple(sh.local_shape) for _, sh in entries}) > 1:  # type: ignore[attr-defined]
+        return _uneven_violations(key, entries, regular_grid_for)
     first = entries[0][1]
     assert isinstance(first, ShardedTensor)
     shape = chunk_shape(first)
@@ -207,6 +248,72 @@ def _tensor_violations(key: str, entries: list[RankShard]) -> list[str]:
     if first.flattened_range is None:
         return _coverage_violations(key, grid, {i: [r for r, _ in c] for i, c in cells.items()})
     return _flat_coverage_violations(key, grid, math.prod(shape), cells)
+
+
+def _uneven_violations(
+    key: str, entries: list[RankShard], regular_grid_for: str | None
+) -> list[str]:
+    """Shards of different local shapes: allowed without a declared grid, unflattened,
+    for a backend that stores arbitrary boxes, if the main replicas tile the tensor."""
+    shapes: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for rank, sh in entries:
+        shapes[tuple(sh.local_shape)].append(rank)  # type: ignore[attr-defined]
+    detail = "; ".join(f"{v} on {_describe(r)}" for v, r in shapes.items())
+    head = f"tensor {key!r}: local_shape differs across shards: {detail}"
+    declared = [r for r, sh in entries if sh.axis_fragmentations is not None]  # type: ignore[attr-defined]
+    if declared:
+        return [
+            f"{head}, but {_describe(declared)} declare a regular grid (axis_fragmentations); "
+            "uneven shards need axis_fragmentations=None"
+        ]
+    if entries[0][1].flattened_range is not None:  # type: ignore[attr-defined]
+        return [f"{head}; flattened shards (flattened_range) need a regular grid"]
+    if regular_grid_for is not None:
+        return [
+            f"{head}: uneven sharding, which the {regular_grid_for} backend cannot store (it "
+            "needs a regular grid of equal shards, one chunk shape per array); save with the "
+            "torch_dist backend (sharded_strategy=('torch_dist', 1)), which stores uneven shards"
+        ]
+    return _box_coverage_violations(key, entries)
+
+
+def _box_coverage_violations(key: str, entries: list[RankShard]) -> list[str]:
+    """Main-replica boxes of one tensor overlap nowhere and cover every element."""
+    global_shape = tuple(entries[0][1].global_shape)  # type: ignore[attr-defined]
+    boxes = sorted(
+        (tuple(sh.global_offset), chunk_shape(sh), rank)  # type: ignore[attr-defined, arg-type]
+        for rank, sh in entries
+        if is_main_replica(sh.replica_id) and math.prod(chunk_shape(sh)) > 0  # type: ignore[arg-type]
+    )
+    overlaps = []
+    for i, (offset, shape, rank) in enumerate(boxes):
+        for other, other_shape, other_rank in boxes[i + 1 :]:
+            if other[0] >= offset[0] + shape[0]:
+                break  # sorted by offset: no later box reaches back into this one
+            if all(
+                o < p + q and p < o + s
+                for o, s, p, q in zip(offset, shape, other, other_shape, strict=True)
+            ):
+                overlaps.append(
+                    f"shard on rank {rank} at offset {offset} (shape {shape}) and shard on "
+                    f"rank {other_rank} at offset {other} (shape {other_shape})"
+                )
+    if overlaps:
+        return [
+            f"tensor {key!r}: {len(overlaps)} pair(s) of main replicas overlap: "
+            f"{_listing(overlaps)}; set replica_id so that exactly one is main"
+        ]
+    total = math.prod(global_shape)
+    covered = sum(
+        math.prod(max(0, min(o + s, g) - o) for o, s, g in zip(off, shp, global_shape, strict=True))
+        for off, shp, _ in boxes
+    )
+    if covered < total:
+        return [
+            f"tensor {key!r}: {total - covered} of {total} element(s) have no main replica "
+            f"(uneven shards on {_describe(r for _, _, r in boxes)})"
+        ]
+    return []
 
 
 def _uncovered_chunks(key: str, grid: tuple[int, ...], cells: Mapping[Any, object]) -> list[str]:

@@ -38,6 +38,8 @@ OBJECT = "extra_state/shard_0_1.pt"
 COMMIT_FILES = {"metadata.json", "manifest.json"}
 
 
+ZARR = ("zarr", 1)  # these tests look at the zarr layout (chunk objects)
+
 def make_state(seed: int = 0) -> dict[str, Any]:
     """Two float32 tensors (256 KiB each), a ShardedObject and common state."""
     gen = torch.Generator().manual_seed(seed)
@@ -122,7 +124,7 @@ def saved_s3(s3_bucket: StoreLocation) -> tuple[str, dict[str, Any]]:
     """A committed checkpoint on the S3 API: ``(uri, storage_options)``."""
     bucket_uri, options = s3_bucket
     uri = f"{bucket_uri}/run/iter_0000007"
-    cloudckpt.save(make_state(), uri, storage_options=shared_client(options))
+    cloudckpt.save(make_state(), uri, storage_options=shared_client(options), sharded_strategy=ZARR)
     return uri, options
 
 
@@ -257,6 +259,7 @@ def test_deep_verify_streams_large_objects_in_parts(s3_bucket: StoreLocation) ->
         {"big": ShardedTensor.from_rank_offsets("big", big)},
         uri,
         storage_options=shared_client(options),
+        sharded_strategy=ZARR,
     )
     calls = S3Calls()
     config = CheckpointConfig(part_size=5 * MiB, max_in_flight=2)
@@ -273,7 +276,7 @@ def test_deep_verify_streams_large_objects_in_parts(s3_bucket: StoreLocation) ->
 
 def test_verify_on_every_backend(checkpoint_uri: StoreLocation) -> None:
     uri, options = checkpoint_uri
-    cloudckpt.save(make_state(), uri, storage_options=shared_client(options))
+    cloudckpt.save(make_state(), uri, storage_options=shared_client(options), sharded_strategy=ZARR)
     storage = CheckpointStorage(uri, storage_options=options)
     sizes = storage.list_sizes()
     data = {p: n for p, n in sizes.items() if p not in COMMIT_FILES}
@@ -301,7 +304,7 @@ def test_verify_on_every_backend(checkpoint_uri: StoreLocation) -> None:
 def test_foreign_checkpoint_is_committed_without_problems(checkpoint_uri: StoreLocation) -> None:
     """metadata.json and a zarr array, no claim, no manifest: as Megatron-Core writes."""
     uri, options = checkpoint_uri
-    cloudckpt.save(make_state(), uri, storage_options=shared_client(options))
+    cloudckpt.save(make_state(), uri, storage_options=shared_client(options), sharded_strategy=ZARR)
     storage = CheckpointStorage(uri, storage_options=options)
     storage.delete("manifest.json")
     storage.delete(".cloudckpt-claim.json")
@@ -321,7 +324,7 @@ def test_nothing_at_the_uri(checkpoint_uri: StoreLocation) -> None:
 
 def test_report_to_dict_is_json(tmp_path: Any) -> None:
     uri = str(tmp_path / "ckpt")
-    cloudckpt.save(make_state(), uri)
+    cloudckpt.save(make_state(), uri, sharded_strategy=ZARR)
     CheckpointStorage(uri).delete("metadata.json")
     report = verify(uri, deep=True)
     doc = json.loads(json.dumps(report.to_dict()))
@@ -339,7 +342,7 @@ def test_report_to_dict_is_json(tmp_path: Any) -> None:
 
 def test_metadata_that_contradicts_the_manifest(tmp_path: Any) -> None:
     uri = str(tmp_path / "ckpt")
-    cloudckpt.save(make_state(), uri)
+    cloudckpt.save(make_state(), uri, sharded_strategy=ZARR)
     storage = CheckpointStorage(uri)
     doc = json.loads(storage.read("metadata.json"))
     storage.write("metadata.json", json.dumps({**doc, "sharded_backend": "torch_dist"}).encode())
@@ -350,7 +353,7 @@ def test_metadata_that_contradicts_the_manifest(tmp_path: Any) -> None:
 
 def test_metadata_that_is_not_a_config(tmp_path: Any) -> None:
     uri = str(tmp_path / "ckpt")
-    cloudckpt.save(make_state(), uri)
+    cloudckpt.save(make_state(), uri, sharded_strategy=ZARR)
     CheckpointStorage(uri).write("metadata.json", b'{"sharded_backend": "zarr", "extra": 1}')
     report = verify(uri)
     assert kinds(report) == [("metadata-mismatch", "metadata.json")]
@@ -359,7 +362,7 @@ def test_metadata_that_is_not_a_config(tmp_path: Any) -> None:
 
 def test_unparsable_manifest(tmp_path: Any) -> None:
     uri = str(tmp_path / "ckpt")
-    cloudckpt.save(make_state(), uri)
+    cloudckpt.save(make_state(), uri, sharded_strategy=ZARR)
     CheckpointStorage(uri).write("manifest.json", b"{not json")
     report = verify(uri, deep=True)
     assert kinds(report) == [("bad-manifest", "manifest.json")]

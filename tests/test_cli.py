@@ -20,6 +20,8 @@ from cloudckpt import ShardedTensor, cli
 from tests.fixtures_object_stores import S3Endpoint
 from tests.servers import free_loopback_port
 
+ZARR = ("zarr", 1)  # these tests look at the zarr layout (chunk objects)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
 
@@ -57,7 +59,7 @@ def _save(uri: str, iteration: int, options: dict[str, Any] | None = None) -> No
         "iteration": iteration,
         "args": {"lr": 0.1},
     }
-    cloudckpt.save(state, uri, storage_options=options)
+    cloudckpt.save(state, uri, storage_options=options, sharded_strategy=ZARR)
 
 
 @pytest.fixture

@@ -46,6 +46,9 @@ CHUNK_SIZE = 3 * MiB
 CKPT_PATH = "run/iter_0000100"
 
 
+ZARR = ("zarr", 1)  # these tests look at the zarr layout (chunk objects)
+
+
 def _config() -> CheckpointConfig:
     return CheckpointConfig(part_size=S3_MIN_PART_SIZE, max_in_flight=4, chunk_size=CHUNK_SIZE)
 
@@ -165,7 +168,9 @@ def _object_equal(loaded: Any, expected: dict[str, Any]) -> bool:
 
 def _e2e_scenario(rank: int, world: int, uri: str, options: dict[str, Any]) -> dict[str, bool]:
     assert world == 4
-    cloudckpt.save(_save_state(rank), uri, storage_options=options, config=_config())
+    cloudckpt.save(
+        _save_state(rank), uri, storage_options=options, config=_config(), sharded_strategy=ZARR
+    )
     loaded = _load(_load_request(rank), uri, storage_options=options, config=_config())
     flat = slice(LOAD_FLAT_BOUNDS[rank], LOAD_FLAT_BOUNDS[rank + 1])
     checks = {
@@ -265,6 +270,7 @@ def test_partial_load_from_s3_reads_a_fraction_of_the_checkpoint(
         {key: ShardedTensor.from_rank_offsets(key, t) for key, t in tensors.items()},
         uri,
         storage_options=options,
+        sharded_strategy=ZARR,
     )
     total = sum(entry["Size"] for entry in _s3_objects(s3_server, uri).values())
     assert total > 16 * MiB
@@ -329,7 +335,7 @@ def test_s3_from_environment_only(
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     uri = f"{s3_bucket[0]}/run/iter_1"
-    cloudckpt.save(_small_state(), uri)
+    cloudckpt.save(_small_state(), uri, sharded_strategy=ZARR)
     _check_small(_load(_small_request(), uri, validate_access_integrity=False))
     assert cloudckpt.load_common_state_dict(uri) == {"iteration": 1}
     assert "metadata.json" in _s3_objects(s3_server, uri)
@@ -342,7 +348,7 @@ def test_gcs_from_environment_only(
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint_url)
     assert env_storage_options("gs") == {"endpoint_url": gcs_server.endpoint_url, "token": "anon"}
     uri = f"{gcs_bucket[0]}/run/iter_1"
-    cloudckpt.save(_small_state(), uri)
+    cloudckpt.save(_small_state(), uri, sharded_strategy=ZARR)
     _check_small(_load(_small_request(), uri, validate_access_integrity=False))
     stored = CheckpointStorage(uri, storage_options=gcs_bucket[1]).list()
     assert {"metadata.json", "common.pt", "w/.zarray", "w/0.0", "obj/shard_0_1.pt"} <= set(stored)
@@ -377,14 +383,19 @@ def test_explicit_options_beat_config_which_beats_environment(
 
     # explicit (live) > config (dead) > environment (dead)
     uri = f"{bucket_uri}/explicit"
-    cloudckpt.save(_small_state(), uri, storage_options=options, config=dead_config)
+    cloudckpt.save(
+        _small_state(), uri, storage_options=options, config=dead_config, sharded_strategy=ZARR
+    )
     _check_small(
         _load(_small_request(), uri, validate_access_integrity=False, storage_options=options)
     )
 
     # config (live) > environment (dead)
     uri = f"{bucket_uri}/config"
-    cloudckpt.save(_small_state(), uri, config=CheckpointConfig(storage_options=options))
+    cloudckpt.save(
+        _small_state(), uri, config=CheckpointConfig(storage_options=options),
+        sharded_strategy=ZARR,
+    )
     assert {"metadata.json", "w/0.0"} <= _s3_objects(s3_server, uri).keys()
 
     # the reverse: explicit (dead) > config (live) > environment (live)
@@ -396,6 +407,7 @@ def test_explicit_options_beat_config_which_beats_environment(
             uri,
             storage_options={"endpoint_url": dead, "config_kwargs": _fast_fail()},
             config=CheckpointConfig(storage_options=options),
+            sharded_strategy=ZARR,
         )
     assert "127.0.0.1:" + dead.rsplit(":", 1)[1] in str(info.value), str(info.value)
     assert _s3_objects(s3_server, uri) == {}
@@ -434,7 +446,7 @@ def test_secrets_never_appear_in_errors_or_logs(
     }
     uri = f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/x"
     with pytest.raises(CheckpointingException) as info:
-        cloudckpt.save(_small_state(), uri, storage_options=options)
+        cloudckpt.save(_small_state(), uri, storage_options=options, sharded_strategy=ZARR)
     texts = _exception_texts(info.value)
     assert "no-such-bucket" in texts[0]
     for text in texts:

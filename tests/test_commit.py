@@ -44,6 +44,8 @@ from tests.fixtures_object_stores import (
 # --- manifest ------------------------------------------------------------------------------
 
 
+ZARR = ("zarr", 1)  # these tests look at the zarr layout (chunk objects)
+
 def _manifest() -> Manifest:
     return Manifest(
         objects=(ManifestEntry("w/0", 8, 123), ManifestEntry("a/.zarray", 50, 7)),
@@ -277,7 +279,7 @@ def _common_with(storage: CheckpointStorage) -> Any:
 @pytest.mark.parametrize("missing", [MANIFEST_FNAME, "metadata.json"])
 def test_load_refuses_uncommitted_naming_what_is_missing(tmp_path, missing: str) -> None:
     uri = str(tmp_path / "ckpt")
-    cloudckpt.save(_state(), uri)
+    cloudckpt.save(_state(), uri, sharded_strategy=ZARR)
     CheckpointStorage(uri).delete(missing)
     assert not cloudckpt.check_is_distributed_checkpoint(uri)
     with pytest.raises(UncommittedCheckpointError, match=missing.replace(".", r"\.")):
@@ -287,7 +289,7 @@ def test_load_refuses_uncommitted_naming_what_is_missing(tmp_path, missing: str)
 def test_a_checkpoint_without_claim_or_manifest_is_foreign_and_loads(tmp_path) -> None:
     """What Megatron-Core writes: metadata.json and data, no cloudckpt objects."""
     uri = str(tmp_path / "ckpt")
-    cloudckpt.save(_state(3), uri)
+    cloudckpt.save(_state(3), uri, sharded_strategy=ZARR)
     storage = CheckpointStorage(uri)
     storage.delete(MANIFEST_FNAME)
     storage.delete(CLAIM_FNAME)
@@ -309,7 +311,7 @@ def _rewrite(storage: CheckpointStorage, path: str, change: str) -> None:
 @pytest.mark.parametrize("change", ["truncate", "flip"])
 def test_load_checks_objects_against_the_manifest(tmp_path, change: str) -> None:
     uri = str(tmp_path / "ckpt")
-    cloudckpt.save(_state(), uri)
+    cloudckpt.save(_state(), uri, sharded_strategy=ZARR)
     _rewrite(CheckpointStorage(uri), "w/0.0", change)
     with pytest.raises(CorruptObjectError, match=r"w/0\.0"):
         cloudckpt.load(_request(), uri)
@@ -318,7 +320,7 @@ def test_load_checks_objects_against_the_manifest(tmp_path, change: str) -> None
 def test_partial_reads_are_crc_checked(tmp_path) -> None:
     uri = str(tmp_path / "ckpt")
     full = _state()
-    cloudckpt.save(full, uri)
+    cloudckpt.save(full, uri, sharded_strategy=ZARR)
     storage = CheckpointStorage(uri)
     halves = {
         f"w{i}": ShardedTensor.from_rank_offsets("w", torch.empty(32, 32), (0, i, 2))
@@ -366,7 +368,7 @@ def _racing_save(uri: str, options: dict[str, Any], seed: int, start: Any, out: 
     logging.getLogger("cloudckpt.commit").addHandler(warnings)
     start.wait(timeout=60)
     try:
-        cloudckpt.save(_state(seed), uri, storage_options=options)
+        cloudckpt.save(_state(seed), uri, storage_options=options, sharded_strategy=ZARR)
         out.put((seed, "ok", "", warnings.messages))
     except CheckpointingException as exc:
         out.put((seed, type(exc).__name__, str(exc), warnings.messages))
@@ -466,7 +468,7 @@ def _bad_key_on_rank_1(rank: int, world: int, uri: str) -> str:
     key = "bad//key" if rank == 1 else "good"
     state = {"x": ShardedTensor.from_rank_offsets(key, torch.ones(2), (0, rank, world))}
     try:
-        cloudckpt.save(state, uri)
+        cloudckpt.save(state, uri, sharded_strategy=ZARR)
     except CheckpointingException as exc:
         return str(exc)
     return "no error"

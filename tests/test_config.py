@@ -45,7 +45,7 @@ def test_defaults() -> None:
     config = CheckpointConfig()
     assert config.uri is None
     assert config.storage_options == {}
-    assert config.backend == "zarr"
+    assert config.backend == "torch_dist"  # Megatron-Core's default
     assert config.part_size == 32 * MiB
     assert config.max_in_flight == 16
     assert config.chunk_size == 256 * MiB
@@ -132,7 +132,7 @@ def test_repr_hides_secrets() -> None:
         "CheckpointConfig(uri='s3://bucket/run/iter_0000010', storage_options={'key': '***', "
         "'secret': '***', 'token': '***', 'endpoint_url': 'http://minio:9000', "
         "'client_kwargs': {'aws_session_token': '***', 'region_name': 'eu-west-1'}}, "
-        "backend='zarr', part_size=33554432, max_in_flight=16, chunk_size=268435456)"
+        "backend='torch_dist', part_size=33554432, max_in_flight=16, chunk_size=268435456)"
     )
     assert config.storage_options["secret"] == "s3cr3t-value"  # only the repr hides it
 
@@ -214,7 +214,7 @@ def test_from_dict_empty_gives_defaults() -> None:
 
 def test_from_dict_unwraps_single_cloudckpt_key() -> None:
     config = from_dict({"cloudckpt": {"uri": "gs://b/ck", "part_size": 8 * MiB}})
-    assert (config.uri, config.part_size, config.backend) == ("gs://b/ck", 8 * MiB, "zarr")
+    assert (config.uri, config.part_size, config.backend) == ("gs://b/ck", 8 * MiB, "torch_dist")
 
 
 def test_from_dict_accepts_path_and_nulls(tmp_path: Path) -> None:

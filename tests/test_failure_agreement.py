@@ -106,8 +106,8 @@ def _strict_missing_on_one_rank(rank: int, world: int, uri: str) -> dict:
 def test_strict_key_check_failing_on_one_rank_raises_its_kind_everywhere(rank_pool, tmp_path):
     uri = str(tmp_path / "ckpt")
     outcomes = rank_pool.run(_strict_missing_on_one_rank, uri)
-    # every failed rank raised MissingKeysError: so is what every rank raises
-    _assert_all_raised(outcomes, "MissingKeysError", [2], "'absent'")
+    # every failed rank raised UnexpectedKeysError (requested, not stored): so does every rank
+    _assert_all_raised(outcomes, "UnexpectedKeysError", [2], "'absent'")
     assert all("DistributedCheckpointError" in out["kinds"] for out in outcomes)
 
 

@@ -235,7 +235,7 @@ def _rank_failure_scenario(rank: int, world: int, uri: str) -> str:
     if rank == 2:  # a dtype the zarr backend cannot store, on one rank only
         state["bad"] = ShardedTensor.from_rank_offsets("bad", torch.zeros(2, dtype=torch.complex64))
     try:
-        cloudckpt.save(state, uri)
+        cloudckpt.save(state, uri, sharded_strategy=("zarr", 1))
     except DistributedCheckpointError as exc:
         assert sorted(exc.failures) == [2]
         return str(exc)
@@ -266,7 +266,7 @@ def _global_unexpected_scenario(rank: int, world: int, uri: str) -> tuple:
     return sorted(missing), sorted(unexpected)
 
 
-def test_unexpected_keys_are_judged_across_all_ranks(rank_pool, tmp_path):
+def test_missing_keys_are_judged_across_all_ranks(rank_pool, tmp_path):
     assert rank_pool.run(_global_unexpected_scenario, str(tmp_path / "ckpt")) == [([], [])] * 4
 
 
@@ -282,23 +282,23 @@ def _outcome(fn) -> str:  # type: ignore[no-untyped-def]
 
 
 def _strict_modes_scenario(rank: int, world: int, uri: str) -> dict:
-    """Saved: k0..k3 and 'spare'. Rank r requests k<r> plus 'absent<r>' (missing);
-    nobody requests 'spare' (unexpected)."""
+    """Saved (torch_dist, the default): k0..k3 and 'spare'. Rank r requests k<r> plus
+    'absent<r>' (unexpected: not stored); nobody requests 'spare' (missing)."""
     keys = [f"k{r}" for r in range(world)] + ["spare"]
     state = {
         k: ShardedTensor.from_rank_offsets(k, reference(k, (2,)), replica_id=rank) for k in keys
     }
     cloudckpt.save(state, uri)
 
-    def request(with_missing: bool) -> dict:
-        wanted = [f"k{rank}"] + ([f"absent{rank}"] if with_missing else [])
+    def request(with_absent: bool) -> dict:
+        wanted = [f"k{rank}"] + ([f"absent{rank}"] if with_absent else [])
         return {k: ShardedTensor.from_rank_offsets(k, torch.empty(2)) for k in wanted}
 
     outcomes = {}
     for mode in StrictHandling:
-        for with_missing in (False, True):
-            outcomes[(mode.value, with_missing)] = _outcome(
-                lambda m=mode, w=with_missing: cloudckpt.load(
+        for with_absent in (False, True):
+            outcomes[(mode.value, with_absent)] = _outcome(
+                lambda m=mode, w=with_absent: cloudckpt.load(
                     request(w), uri, validate_access_integrity=False, strict=m
                 )
             )
@@ -306,26 +306,29 @@ def _strict_modes_scenario(rank: int, world: int, uri: str) -> dict:
 
 
 def test_every_strict_mode_across_ranks(rank_pool, tmp_path):
+    """Megatron-Core's semantics: missing = stored, requested by no rank ('spare', only
+    the *_ALL modes look); unexpected = requested here, not stored (dropped, then per
+    mode raised, logged or returned)."""
     results = rank_pool.run(_strict_modes_scenario, str(tmp_path / "ckpt"))
     for rank, outcomes in enumerate(results):
         own, gone = f"k{rank}", f"absent{rank}"
-        ok, ok_dropped = f"keys=['{own}']", f"keys=['{own}']"
+        ok = f"keys=['{own}']"
         expected = {
             ("assume_ok_unexpected", False): ok,
-            ("assume_ok_unexpected", True): "CheckpointKeyNotFoundError",
+            ("assume_ok_unexpected", True): "TorchDistKeyNotFoundError",
             ("log_unexpected", False): ok,
-            ("log_unexpected", True): "CheckpointKeyNotFoundError",
+            ("log_unexpected", True): ok,
             ("log_all", False): ok,
-            ("log_all", True): ok_dropped,
-            ("raise_unexpected", False): "UnexpectedKeysError",
+            ("log_all", True): ok,
+            ("raise_unexpected", False): ok,
             ("raise_unexpected", True): "UnexpectedKeysError",
-            ("raise_all", False): "UnexpectedKeysError",
-            ("raise_all", True): "MissingKeysError",
-            ("return_unexpected", False): f"{ok} missing=[] unexpected=['spare']",
-            ("return_unexpected", True): "CheckpointKeyNotFoundError",
-            ("return_all", False): f"{ok} missing=[] unexpected=['spare']",
-            ("return_all", True): f"{ok_dropped} missing=['{gone}'] unexpected=['spare']",
+            ("raise_all", False): "MissingKeysError",
+            ("raise_all", True): "UnexpectedKeysError",
+            ("return_unexpected", False): f"{ok} missing=[] unexpected=[]",
+            ("return_unexpected", True): f"{ok} missing=[] unexpected=['{gone}']",
+            ("return_all", False): f"{ok} missing=['spare'] unexpected=[]",
+            ("return_all", True): f"{ok} missing=['spare'] unexpected=['{gone}']",
             ("ignore_all", False): ok,
-            ("ignore_all", True): ok_dropped,
+            ("ignore_all", True): ok,
         }
         assert outcomes == expected, rank

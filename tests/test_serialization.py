@@ -118,7 +118,7 @@ def test_every_dtype_round_trips_bit_exactly(location, dtype, backend):
 def test_all_zero_shards_are_stored(location):
     uri, options = location
     state = {f"z{i}": ShardedTensor.from_rank_offsets(f"z{i}", torch.zeros(3, 2)) for i in range(2)}
-    cloudckpt.save(state, uri, storage_options=options)
+    cloudckpt.save(state, uri, sharded_strategy=("zarr", 1), storage_options=options)
     storage = _storage(location)
     for key in state:
         assert storage.read(f"{key}/0.0") == bytes(3 * 2 * 4)
@@ -230,12 +230,13 @@ def test_dtype_and_shape_mismatch_are_reported(location, backend):
         sharded_strategy=(backend, 1),
         storage_options=options,
     )
-    with pytest.raises(cloudckpt.CheckpointingException, match=r"stored dtype torch\.float32"):
-        cloudckpt.load(
-            {"w": ShardedTensor.from_rank_offsets("w", torch.empty(2, 3, dtype=torch.int32))},
-            uri,
-            storage_options=options,
-        )
+    as_int = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(2, 3, dtype=torch.int32))}
+    if backend == "torch_dist":  # cast, as Megatron-Core's torch_dist load does
+        loaded = cloudckpt.load(as_int, uri, storage_options=options)
+        assert torch.equal(loaded["w"], torch.arange(6, dtype=torch.int32).reshape(2, 3))
+    else:
+        with pytest.raises(cloudckpt.CheckpointingException, match=r"stored dtype torch\.float32"):
+            cloudckpt.load(as_int, uri, storage_options=options)
     with pytest.raises(cloudckpt.CheckpointingException, match="allow_shape_mismatch"):
         cloudckpt.load(
             {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3))},
@@ -323,7 +324,12 @@ def _req(*keys: str) -> dict:
     return {k: ShardedTensor.from_rank_offsets(k, torch.empty(2)) for k in keys}
 
 
-def test_strict_assume_ok_unexpected_ignores_extra_but_missing_fails(saved):
+# Megatron-Core's meaning: *missing* keys are stored but requested by no rank (only the
+# *_ALL modes compute them); *unexpected* keys are requested but not stored (dropped from
+# the request by every mode but ASSUME_OK_UNEXPECTED).
+
+
+def test_strict_assume_ok_unexpected_ignores_missing_but_unexpected_fails(saved):
     assert torch.equal(_load(saved, _req("a"))["a"], torch.ones(2))
     with pytest.raises(CheckpointKeyNotFoundError, match="'c'"):
         _load(saved, _req("a", "c"))
@@ -331,39 +337,48 @@ def test_strict_assume_ok_unexpected_ignores_extra_but_missing_fails(saved):
 
 @pytest.mark.parametrize("mode", ["raise_all", StrictHandling.RAISE_ALL, "RAISE_ALL"])
 def test_strict_raise_all(saved, mode):
-    with pytest.raises(MissingKeysError, match=r"\['c'\]"):
+    with pytest.raises(UnexpectedKeysError, match=r"Unexpected keys \(for this rank\): \['c'\]"):
         _load(saved, _req("a", "b", "c"), strict=mode)
-    with pytest.raises(UnexpectedKeysError, match=r"\['b', 'obj'\]"):
+    with pytest.raises(MissingKeysError, match=r"Missing keys \(for all ranks\): \['b', 'obj'\]"):
         _load(saved, _req("a"), strict=mode)
+    with pytest.raises(UnexpectedKeysError) as info:  # both: one error naming both
+        _load(saved, _req("a", "c"), strict=mode)
+    assert "['c']" in str(info.value) and "['b', 'obj']" in str(info.value)
 
 
 def test_strict_raise_unexpected(saved):
-    with pytest.raises(UnexpectedKeysError, match=r"\['obj'\]"):
-        _load(saved, _req("a", "b"), strict=StrictHandling.RAISE_UNEXPECTED)
-    req = {**_req("a", "b"), "o": ShardedObject("obj", None, (1,), (0,))}
-    assert _load(saved, req, strict=StrictHandling.RAISE_UNEXPECTED)["o"] == "payload"
+    with pytest.raises(UnexpectedKeysError, match=r"\['c'\]") as info:
+        _load(saved, _req("a", "b", "c"), strict=StrictHandling.RAISE_UNEXPECTED)
+    assert "Missing keys" not in str(info.value)
+    # stored keys nobody requested ('obj') are not checked by *_UNEXPECTED modes
+    out = _load(saved, _req("a", "b"), strict=StrictHandling.RAISE_UNEXPECTED)
+    assert torch.equal(out["b"], torch.full((2,), 2.0))
 
 
 def test_strict_log_modes(saved, caplog):
     with caplog.at_level("WARNING", logger="cloudckpt"):
-        out = _load(saved, _req("a"), strict=StrictHandling.LOG_UNEXPECTED)
-    assert torch.equal(out["a"], torch.ones(2))
-    assert "['b', 'obj']" in caplog.text
+        out = _load(saved, _req("a", "c"), strict=StrictHandling.LOG_UNEXPECTED)
+    assert torch.equal(out["a"], torch.ones(2)) and "c" not in out
+    assert "Unexpected keys (for this rank): ['c']" in caplog.text
+    assert "Missing keys" not in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="cloudckpt"):
         out = _load(saved, _req("a", "c"), strict=StrictHandling.LOG_ALL)
-    assert "c" not in out and "['c']" in caplog.text and "['b', 'obj']" in caplog.text
+    assert "c" not in out and torch.equal(out["a"], torch.ones(2))
+    assert "Unexpected keys (for this rank): ['c']" in caplog.text
+    assert "Missing keys (for all ranks): ['b', 'obj']" in caplog.text
 
 
 def test_strict_return_modes(saved):
-    out, missing, unexpected = _load(saved, _req("a"), strict=StrictHandling.RETURN_UNEXPECTED)
-    assert torch.equal(out["a"], torch.ones(2)) and missing == set() and unexpected == {"b", "obj"}
+    out, missing, unexpected = _load(saved, _req("a", "c"), strict=StrictHandling.RETURN_UNEXPECTED)
+    assert torch.equal(out["a"], torch.ones(2)) and "c" not in out
+    assert missing == set() and unexpected == {"c"}
     out, missing, unexpected = _load(saved, _req("b", "c"), strict="return_all")
     assert torch.equal(out["b"], torch.full((2,), 2.0)) and "c" not in out
-    assert missing == {"c"} and unexpected == {"a", "obj"}
+    assert missing == {"a", "obj"} and unexpected == {"c"}
 
 
-def test_strict_ignore_all_drops_missing_silently(saved, caplog):
+def test_strict_ignore_all_drops_unexpected_silently(saved, caplog):
     with caplog.at_level("WARNING", logger="cloudckpt"):
         out = _load(saved, _req("a", "c"), strict=StrictHandling.IGNORE_ALL)
     assert set(out) == {"a"} and caplog.text == ""

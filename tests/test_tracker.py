@@ -39,6 +39,8 @@ from cloudckpt.tracker import (
 from tests.fixtures_object_stores import S3_CASES, S3Endpoint, StoreLocation, bucket_location
 from tests.test_checker import S3Calls, shared_client
 
+ZARR = ("zarr", 1)  # these tests look at the zarr layout (chunk objects)
+
 COMMIT_FILES = ("metadata.json", "manifest.json")
 STRAY = "tensorboard/events.out.tfevents"
 
@@ -50,7 +52,9 @@ def _state(iteration: int) -> dict[str, Any]:
 
 def _save(parent_uri: str, options: dict[str, Any], iteration: int) -> str:
     uri = f"{parent_uri}/iter_{iteration:07d}"
-    cloudckpt.save(_state(iteration), uri, storage_options=shared_client(options))
+    cloudckpt.save(
+        _state(iteration), uri, storage_options=shared_client(options), sharded_strategy=ZARR
+    )
     return uri
 
 
@@ -295,7 +299,7 @@ def test_every_backend(checkpoint_uri: StoreLocation) -> None:
 
 def _save_in_another_process(uri: str, options: dict) -> None:
     state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
-    cloudckpt.save(state, uri, storage_options=options)
+    cloudckpt.save(state, uri, storage_options=options, sharded_strategy=ZARR)
 
 
 def test_latest_sees_checkpoints_committed_by_other_processes(s3_bucket) -> None:

@@ -124,13 +124,20 @@ def test_doubly_saved_chunk_names_ranks() -> None:
 @pytest.mark.parametrize(
     ("new", "attr"),
     [(st("decoder.w", (2, 6), (4, 6), (2, 0), replica=0, dtype=torch.bfloat16), "dtype"),
-     (st("decoder.w", (2, 6), (4, 7), (2, 0)), "global_shape"),
-     (st("decoder.w", (1, 6), (4, 6), (2, 0)), "local_shape")],
+     (st("decoder.w", (2, 6), (4, 7), (2, 0)), "global_shape")],
 )
 def test_metadata_disagreement_is_reported(new: ShardedTensor, attr: str) -> None:
     (violation,) = violations_of(replace_shard(tp_dp_layout(), 1, "decoder.w", new))
     assert f"'decoder.w': {attr} differs across shards" in violation
     assert "ranks 0, 2, 3" in violation and "ranks 1" in violation
+
+
+def test_a_smaller_shard_is_uneven_sharding_and_its_gap_is_reported() -> None:
+    # local_shape (1, 6) among (2, 6) shards: uneven sharding, valid if the main
+    # replicas tile the tensor; here row 3 has no main replica
+    world = replace_shard(tp_dp_layout(), 1, "decoder.w", st("decoder.w", (1, 6), (4, 6), (2, 0)))
+    (violation,) = violations_of(world)
+    assert "'decoder.w'" in violation and "6 of 24 element(s) have no main replica" in violation
 
 
 def test_mixed_flattened_and_not_is_reported() -> None:
@@ -259,7 +266,10 @@ def test_parse_strict_flag_rejects_junk_listing_valid_values(junk: object) -> No
 def test_strict_handling_predicates() -> None:
     assert not StrictHandling.requires_explicit_ckpt_mismatch_check(
         StrictHandling.ASSUME_OK_UNEXPECTED)
-    assert StrictHandling.requires_global_app_metadata(StrictHandling.RAISE_UNEXPECTED)
+    # as Megatron-Core: only the *_ALL modes gather every rank's keys (for missing keys)
+    assert {m for m in StrictHandling if StrictHandling.requires_global_app_metadata(m)} == {
+        StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL,
+        StrictHandling.IGNORE_ALL}
     assert {m for m in StrictHandling if StrictHandling.requires_returning_mismatch_keys(m)} == {
         StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL}
 

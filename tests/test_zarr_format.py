@@ -258,7 +258,7 @@ def test_cloudckpt_arrays_open_in_zarr_python(tmp_path: pathlib.Path, dtype: tor
              for i in range(3)]
     scalar = torch.tensor(5, dtype=dtype)
     cloudckpt.save({"w": parts, "s": ShardedTensor.from_rank_offsets("s", scalar)},
-                   str(tmp_path / "ck"))
+                   str(tmp_path / "ck"), sharded_strategy=("zarr", 1))
     array = zarr.open_array(str(tmp_path / "ck" / "layer.w"), mode="r")
     assert array.shape == (6, 8) and array.chunks == (2, 8)
     np.testing.assert_array_equal(array[:], full.numpy())
@@ -342,7 +342,8 @@ def _saved(tmp_path: pathlib.Path) -> tuple[str, torch.Tensor, torch.Tensor]:
     uri = str(tmp_path / "ck")
     cloudckpt.save({"a": [ShardedTensor.from_rank_offsets("a", a[4 * i:4 * i + 4], (0, i, 2))
                           for i in range(2)],
-                    "b": ShardedTensor.from_rank_offsets("b", b)}, uri)
+                    "b": ShardedTensor.from_rank_offsets("b", b)}, uri,
+                   sharded_strategy=("zarr", 1))
     return uri, a, b
 
 

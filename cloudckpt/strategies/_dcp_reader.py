@@ -10,12 +10,15 @@ in batches of bounded size, so peak memory stays near one batch.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -38,6 +41,8 @@ from cloudckpt.strategies._dcp_storage import (
 )
 from cloudckpt.validation import chunk_shape
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_BATCH_BYTES = 512 * 1024 * 1024
 ORIG_SHAPE_KEY = "nd_reformulated_orig_global_shape"
 COMMON_STATE_ITEM = "common_state"
@@ -50,6 +55,44 @@ def is_common_state_item(key: str) -> bool:
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+class TorchDistKeyNotFoundError(CheckpointKeyNotFoundError, CheckpointException):
+    """A requested key is not stored in a torch_dist checkpoint.
+
+    Both cloudckpt's :class:`CheckpointKeyNotFoundError` (a ``KeyError``) and PyTorch's
+    ``torch.distributed.checkpoint.CheckpointException``, which Megatron-Core's torch_dist
+    load raises for such keys: code written for either catches it. ``failures`` maps the
+    rank to ``(KeyError, stack)`` as PyTorch's does; ``str()`` is cloudckpt's message.
+    Raised on every rank of a collective load (the
+    :func:`~cloudckpt.errors.distributed_variant`), ``failures`` follows
+    :class:`~cloudckpt.errors.DistributedCheckpointError` instead (rank -> summary).
+    """
+
+    @property
+    def failures(self) -> dict[int, Any]:
+        """Rank -> what failed there (see the class docstring)."""
+        return self._failures
+
+    @failures.setter
+    def failures(self, value: dict[int, Any]) -> None:
+        self._failures = value
+
+    def __init__(self, message: str, keys: tuple[str, ...] = (), rank: int = 0) -> None:
+        super().__init__(message, keys)
+        self.rank = rank
+        self._failures = {rank: (KeyError(message), traceback.StackSummary())}
+
+    @classmethod
+    def of(
+        cls, what: str, keys: Iterable[str], uri: str, rank: int, detail: str = ""
+    ) -> TorchDistKeyNotFoundError:
+        """As :meth:`CheckpointKeyNotFoundError.of`, remembering ``rank``."""
+        error = super().of(what, keys, uri, rank, detail)
+        return cls(str(error), error.keys, rank)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.keys, self.rank))
 
 
 @dataclass(frozen=True)
@@ -105,7 +148,7 @@ class DcpCheckpoint:
         return f"tensor {key!r} in checkpoint {self.storage.uri!r}"
 
     def _missing(self, what: str, keys: Sequence[str], detail: str = "") -> Exception:
-        return CheckpointKeyNotFoundError.of(what, keys, self.storage.uri, dist.get_rank(), detail)
+        return TorchDistKeyNotFoundError.of(what, keys, self.storage.uri, dist.get_rank(), detail)
 
     def tensor_metadata(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
@@ -137,15 +180,15 @@ class DcpCheckpoint:
 
     def _check(self, sh: ShardedTensor) -> None:
         md, where = self.tensor_metadata(sh.key), self._where(sh.key)
-        if md.properties.dtype != sh.dtype:
-            raise CheckpointingException(
-                f"{where}: stored dtype {md.properties.dtype}, requested {sh.dtype}"
-            )
+        if md.properties.dtype != sh.dtype:  # cast on copy, as DCP's load into sh.dtype does
+            logger.debug("%s: stored as %s, loaded as %s", where, md.properties.dtype, sh.dtype)
         stored = self.global_shape(sh.key)
         if stored != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
             raise CheckpointingException(
-                f"{where}: stored global shape {stored}, requested {tuple(sh.global_shape)} "
-                "(set allow_shape_mismatch=True to cut or pad)"
+                f"Global shape mismatch for loaded ({stored}) and expected "
+                f"({tuple(sh.global_shape)}) tensor for key {sh.key} ({where}: stored global "
+                f"shape {stored}, requested {tuple(sh.global_shape)}; set "
+                "allow_shape_mismatch=True to cut or pad)"
             )
 
     def _sources(self, key: str) -> list[_Source]:

@@ -107,8 +107,10 @@ class TensorReader:
             )
         if tuple(meta.shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
             raise CheckpointingException(
-                f"{where}: stored global shape {tuple(meta.shape)}, requested "
-                f"{tuple(sh.global_shape)} (set allow_shape_mismatch=True to cut or pad)"
+                f"Global shape mismatch for loaded ({tuple(meta.shape)}) and expected "
+                f"({tuple(sh.global_shape)}) tensor for key {sh.key} ({where}: stored global "
+                f"shape {tuple(meta.shape)}, requested {tuple(sh.global_shape)}; set "
+                "allow_shape_mismatch=True to cut or pad)"
             )
 
     def _batches(

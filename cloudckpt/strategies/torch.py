@@ -28,11 +28,13 @@ lifts both restrictions, for checkpoints you trust.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import pickle
+import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +60,9 @@ from cloudckpt.strategies._dcp_reader import (
     ORIG_SHAPE_KEY,
     DcpCheckpoint,
     is_common_state_item,
+)
+from cloudckpt.strategies._dcp_reader import (  # re-exported: the error a missing key raises
+    TorchDistKeyNotFoundError as TorchDistKeyNotFoundError,  # noqa: PLC0414
 )
 from cloudckpt.strategies._dcp_storage import (
     METADATA_FNAME,
@@ -136,10 +141,52 @@ class _PackedObjectsSavePlanner(DefaultSavePlanner):
         return super().transform_object(write_item, object)
 
 
+_DCP_LOGGERS = "torch.distributed.checkpoint"
+_quiet = threading.local()
+
+
+class _DcpDebugFilter(logging.Filter):
+    """Drops DCP's records below INFO made in a thread inside :func:`quiet_dcp_debug`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.INFO or not getattr(_quiet, "depth", 0)
+
+
+_FILTER = _DcpDebugFilter()
+
+
+def _dcp_loggers() -> list[logging.Logger]:
+    """PyTorch DCP's loggers: its event logger (``c10d-...-dcp_logger``) and every
+    ``torch.distributed.checkpoint.*`` logger created so far."""
+    from torch.distributed.checkpoint import logger as dcp_logger  # noqa: PLC0415
+
+    found = [dcp_logger._dcp_logger]
+    for name, obj in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith(_DCP_LOGGERS) and isinstance(obj, logging.Logger):
+            found.append(obj)
+    return found
+
+
+@contextlib.contextmanager
+def quiet_dcp_debug() -> Iterator[None]:
+    """Keep PyTorch DCP's DEBUG records (an event per DCP call and step) out of the
+    caller's handlers while this thread runs cloudckpt's DCP calls. DCP's event logger
+    does not propagate, but a logging configuration may make it (``dictConfig``, test
+    harnesses); its INFO and WARNING records pass. Other threads are not affected."""
+    for dcp_log in _dcp_loggers():
+        if _FILTER not in dcp_log.filters:
+            dcp_log.addFilter(_FILTER)
+    _quiet.depth = getattr(_quiet, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _quiet.depth -= 1
+
+
 def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
     """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed)."""
     planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), quiet_dcp_debug():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         state_dict_saver.save(state, storage_writer=writer, planner=planner)
 

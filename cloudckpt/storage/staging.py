@@ -1,0 +1,68 @@
+"""Writes kept in host memory until :meth:`StagingStorage.upload` sends them: the
+blocking half of an async save (``save(..., async_sharded_save=True)``).
+
+A :class:`StagingStorage` is the same checkpoint location as the storage it wraps
+(reads, listings and create-only writes go straight to the store), except that plain
+writes copy their bytes into host memory and return the size and CRC-32C of those
+bytes at once. The strategies therefore run unchanged, collectives included, in the
+caller's thread; the copy frees the caller to modify its tensors; and
+:meth:`~StagingStorage.upload` (run later, e.g. in a background thread) writes exactly
+the staged bytes, so the write results recorded for the manifest stay true.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterable
+
+from cloudckpt.storage.buffers import Buffer, as_bytes_view, crc32c
+from cloudckpt.storage.checkpoint import CheckpointStorage
+from cloudckpt.storage.types import WriteResult
+
+
+class StagingStorage(CheckpointStorage):
+    """``storage`` with its plain writes staged in host memory (see the module docstring).
+
+    Build one with :meth:`over`; :attr:`staged_bytes` says how much memory it holds.
+    """
+
+    _target: CheckpointStorage
+    _staged: builtins.list[tuple[str, bytes]]
+
+    @classmethod
+    def over(cls, storage: CheckpointStorage) -> StagingStorage:
+        """A staging view of ``storage`` (same filesystem, root, request pool, checks)."""
+        staging = cls.__new__(cls)
+        staging.__dict__.update(storage.__dict__)
+        staging._target = storage
+        staging._staged = []
+        return staging
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes held for upload."""
+        return sum(len(data) for _, data in self._staged)
+
+    def write(self, relpath: str, data: Buffer, *, exclusive: bool = False) -> WriteResult:
+        """Stage ``data`` (a copy); a create-only write goes to the store at once."""
+        if exclusive:
+            return self._target.write(relpath, data, exclusive=True)
+        return self.write_many([(relpath, data)])[0]
+
+    def write_many(self, items: Iterable[tuple[str, Buffer]]) -> builtins.list[WriteResult]:
+        """Stage a copy of every object; results as the upload will produce them."""
+        results = []
+        for relpath, data in items:
+            copied = bytes(as_bytes_view(data))
+            self._staged.append((relpath, copied))
+            results.append(WriteResult(relpath, len(copied), crc32c(copied)))
+        return results
+
+    def upload(self) -> builtins.list[WriteResult]:
+        """Write every staged object to the store (concurrently) and release the copies.
+
+        Raises:
+            StorageError: as :meth:`CheckpointStorage.write_many`.
+        """
+        staged, self._staged = self._staged, []
+        return self._target.write_many(staged)
