@@ -11,9 +11,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 
-from cloudckpt.errors import (
-    CheckpointingException,
-)
+from cloudckpt.errors import MalformedCheckpointError
 from cloudckpt.storage import CheckpointStorage, WriteResult
 
 logger = logging.getLogger(__name__)
@@ -48,7 +46,7 @@ class CheckpointingConfig:
             doc = json.loads(raw)
             return cls(**doc)
         except (ValueError, TypeError) as exc:
-            raise CheckpointingException(
+            raise MalformedCheckpointError(
                 f"{where} is not a valid checkpoint config: {exc}"
             ) from exc
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cloudckpt.errors import CheckpointingException
+from cloudckpt.errors import MalformedCheckpointError
 from cloudckpt.storage.types import WriteResult
 
 MANIFEST_FNAME = "manifest.json"
@@ -31,7 +31,7 @@ MANIFEST_FORMAT = "cloudckpt-manifest"
 MANIFEST_VERSION = 1
 
 
-class ManifestError(CheckpointingException, ValueError):
+class ManifestError(MalformedCheckpointError):
     """``manifest.json`` is not a valid cloudckpt manifest."""
 
 

@@ -27,6 +27,7 @@ from cloudckpt import dist
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointKeyNotFoundError,
+    TensorMismatchError,
 )
 from cloudckpt.mapping import ShardedObject, ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
@@ -124,12 +125,12 @@ class DcpCheckpoint:
     def _check(self, sh: ShardedTensor) -> None:
         md, where = self.tensor_metadata(sh.key), self._where(sh.key)
         if md.properties.dtype != sh.dtype:
-            raise CheckpointingException(
+            raise TensorMismatchError(
                 f"{where}: stored dtype {md.properties.dtype}, requested {sh.dtype}"
             )
         stored = self.global_shape(sh.key)
         if stored != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
-            raise CheckpointingException(
+            raise TensorMismatchError(
                 f"{where}: stored global shape {stored}, requested {tuple(sh.global_shape)} "
                 "(set allow_shape_mismatch=True to cut or pad)"
             )

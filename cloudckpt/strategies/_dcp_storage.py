@@ -47,7 +47,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from torch.futures import Future
 
-from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointNotFoundError,
+    MalformedCheckpointError,
+)
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 
 METADATA_FNAME = ".metadata"
@@ -255,7 +259,7 @@ def read_metadata(storage: CheckpointStorage) -> Metadata:
 
     Raises:
         CheckpointNotFoundError: there is none.
-        CheckpointingException: it is not a DCP Metadata.
+        MalformedCheckpointError: it is not a DCP Metadata (not a pickle, truncated).
     """
     try:
         raw = storage.read(METADATA_FNAME)
@@ -266,11 +270,11 @@ def read_metadata(storage: CheckpointStorage) -> Metadata:
     try:
         metadata = pickle.loads(raw)
     except Exception as exc:
-        raise CheckpointingException(
+        raise MalformedCheckpointError(
             f"{storage.child_uri(METADATA_FNAME)} is not a PyTorch DCP metadata file: {exc}"
         ) from exc
     if not isinstance(metadata, Metadata):
-        raise CheckpointingException(
+        raise MalformedCheckpointError(
             f"{storage.child_uri(METADATA_FNAME)} holds a {type(metadata).__name__}, not Metadata"
         )
     return metadata
