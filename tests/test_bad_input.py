@@ -9,6 +9,7 @@ two jobs racing to one URI) run real gloo processes.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -50,7 +51,14 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[RankPool]:
-    """Two real processes in one gloo group."""
+    """Two real processes in one gloo group (a 2-rank job)."""
+    with RankPool(2, timeout_s=120) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def other_two_ranks() -> Iterator[RankPool]:
+    """Another 2-rank job, in a group of its own."""
     with RankPool(2, timeout_s=120) as pool:
         yield pool
 
@@ -142,45 +150,47 @@ def _refused(
     return message
 
 
-@pytest.mark.parametrize("key", ["../escape", "a/../../b", "a//b", "a/", "/abs", ""])
-def test_key_escaping_the_prefix(location: StoreLocation, key: str) -> None:
-    message = _refused(location, {"x": _tensor(key), "ok": _tensor("ok")}, InvalidKeyError)
-    assert repr(key) in message and "'ok'" not in message
+ESCAPING_KEYS = ["../escape", "a/../../b", "a//b", "a/", "./a", "/abs", ""]
+MANGLED_KEYS = ["w?versionId=1", "w#frag", "w*", "w[0]", "a\\b", "w\nx", "w\x00", "w\x7f"]
+COLLIDING_KEYS = [  # (keys, what the message names)
+    (["a", "a/0"], "chunk '0'"),
+    (["m", "m/1.0"], "chunk '1.0'"),
+    (["manifest.json"], "cloudckpt's manifest.json"),
+    (["metadata.json/w"], "cloudckpt's metadata.json"),
+    (["common.pt"], "common.pt"),
+    ([".cloudckpt-claim.json"], "claim"),
+    ([".metadata"], "PyTorch DCP's .metadata"),
+    (["w/.zarray"], "zarr metadata name"),
+]
 
 
-@pytest.mark.parametrize("key", ["w?versionId=1", "w#frag", "w*", "w[0]", "a\\b", "w\nx", "w\x00"])
-def test_key_with_characters_stores_mangle(location: StoreLocation, key: str) -> None:
-    message = _refused(location, {"x": _tensor(key)}, InvalidKeyError)
-    assert repr(key) in message and "cannot be used in keys" in message
+def test_key_escaping_the_prefix(location: StoreLocation) -> None:
+    # every store the same way: refused before the claim, nothing written
+    for key in ESCAPING_KEYS:
+        message = _refused(location, {"x": _tensor(key), "ok": _tensor("ok")}, InvalidKeyError)
+        assert repr(key) in message and "'ok'" not in message, message
+
+
+def test_key_with_characters_stores_mangle(location: StoreLocation) -> None:
+    for key in MANGLED_KEYS:
+        message = _refused(location, {"x": _tensor(key)}, InvalidKeyError)
+        assert repr(key) in message and "cannot be used in keys" in message, message
 
 
 def test_keys_differing_only_by_a_version_id_are_both_refused(location: StoreLocation) -> None:
-    # both would write one S3 object 'w': a commit load could not read
+    # s3fs would write both to one object 'w': a committed checkpoint load could not read
     state = {"a": _tensor("w?versionId=1"), "b": _tensor("w?versionId=2")}
     message = _refused(location, state, InvalidKeyError)
     assert "'w?versionId=1'" in message and "'w?versionId=2'" in message
     assert "invalid key(s) (2)" in message
 
 
-@pytest.mark.parametrize(
-    ("keys", "named"),
-    [
-        (["a", "a/0"], "chunk '0'"),
-        (["m", "m/1.0"], "chunk '1.0'"),
-        (["manifest.json"], "cloudckpt's manifest.json"),
-        (["metadata.json/w"], "cloudckpt's metadata.json"),
-        (["common.pt"], "common.pt"),
-        ([".cloudckpt-claim.json"], "claim"),
-        (["w/.zarray"], "zarr metadata name"),
-    ],
-)
-def test_keys_colliding_after_path_mapping(
-    location: StoreLocation, keys: list[str], named: str
-) -> None:
-    state = {f"k{i}": _tensor(k, n=2) for i, k in enumerate(keys)}
-    message = _refused(location, state, KeyCollisionError)
-    assert named in message and repr(keys[-1]) in message
-    assert isinstance(KeyCollisionError("x"), InvalidKeyError)
+def test_keys_colliding_after_path_mapping(location: StoreLocation) -> None:
+    for keys, named in COLLIDING_KEYS:
+        state = {f"k{i}": _tensor(k, n=2) for i, k in enumerate(keys)}
+        message = _refused(location, state, KeyCollisionError)
+        assert named in message and repr(keys[-1]) in message, message
+    assert issubclass(KeyCollisionError, InvalidKeyError)
 
 
 def test_object_colliding_with_a_tensor_after_path_mapping(
@@ -272,6 +282,39 @@ def test_dtype_or_shape_disagreement_between_ranks(
         assert "'w'" in message and detail in message and uri in message, (rank, message)
         assert "ranks 0" in message and "ranks 1" in message, (rank, message)
     assert not Path(uri).exists()
+
+
+def _bad_input_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    out = {}
+    cases = {
+        "key": ({"w": _tensor("w?versionId=1" if rank == 1 else f"w{rank}")}, "keys"),
+        "common": ({"w": _tensor(f"w{rank}"), "hook": threading.Lock()}, "common"),
+    }
+    for name, (state, sub) in cases.items():
+        uri = os.path.join(root, sub)
+        try:
+            cloudckpt.save(state, uri)
+            out[name] = {"kinds": [], "message": "", "stored": []}
+        except CheckpointingException as exc:
+            kinds = [c.__name__ for c in type(exc).__mro__]
+            out[name] = {"kinds": kinds, "message": str(exc), "stored": _stored(uri, {})}
+    return out
+
+
+@pytest.mark.multirank
+def test_bad_input_on_one_rank_fails_every_rank_before_the_claim(
+    two_ranks: RankPool, tmp_path: Path
+) -> None:
+    outcomes = two_ranks.run(_bad_input_on_one_rank, str(tmp_path))
+    for rank, out in enumerate(outcomes):
+        key, common = out["key"], out["common"]
+        # the gathered key set: every rank raises the same error itself, naming rank 1's key
+        assert "InvalidKeyError" in key["kinds"], (rank, key)
+        assert "'w?versionId=1' (rank 1)" in key["message"] and f"rank {rank}:" in key["message"]
+        # rank 0 serializes the common state; the agreement raises its kind everywhere
+        assert "CommonStateError" in common["kinds"] and "TypeError" in common["kinds"], common
+        assert "'hook'" in common["message"] and "rank 0" in common["message"], common
+        assert key["stored"] == [] and common["stored"] == []
 
 
 # -- common state ---------------------------------------------------------------------------
@@ -417,27 +460,31 @@ def _racing_job(rank: int, world: int, uri: str, options: dict, seed: int, start
 @pytest.mark.multirank
 @pytest.mark.parametrize("store", ["local", "s3-seaweedfs"])
 def test_the_loser_of_two_racing_jobs_gets_a_commit_conflict(
-    store: str, tmp_path: Path, request: pytest.FixtureRequest
+    store: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    two_ranks: RankPool,
+    other_two_ranks: RankPool,
 ) -> None:
     if store == "local":
         uri, options = str(tmp_path / "ckpt"), {}
     else:
         bucket_uri, options = bucket_location(request, store)
         uri = f"{bucket_uri}/run/iter_1"
-    with RankPool(2, timeout_s=120) as job_a, RankPool(2, timeout_s=120) as job_b:
-        for job in (job_a, job_b):  # both groups up before the race starts
-            job.run(_ready)
-        start_at = time.time() + 1.0
-        outcomes: dict[int, list[dict]] = {}
+    for job in (two_ranks, other_two_ranks):  # both groups up before the race starts
+        job.run(_ready)
+    start_at = time.time() + 1.0
+    outcomes: dict[int, list[dict]] = {}
 
-        def run(seed: int, job: RankPool) -> None:
-            outcomes[seed] = job.run(_racing_job, uri, options, seed, start_at)
+    def run(seed: int, job: RankPool) -> None:
+        outcomes[seed] = job.run(_racing_job, uri, options, seed, start_at)
 
-        threads = [threading.Thread(target=run, args=(s, j)) for s, j in ((1, job_a), (2, job_b))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=180)
+    jobs = ((1, two_ranks), (2, other_two_ranks))
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
     winners = [seed for seed, outs in outcomes.items() if all(o["message"] == "ok" for o in outs)]
     losers = [outs for outs in outcomes.values() if any(o["message"] != "ok" for o in outs)]
     assert len(winners) == 1 and len(losers) == 1, outcomes
