@@ -99,6 +99,23 @@ def test_malformed_or_unknown_protocol_uri(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["ls", "verify", "inspect"])
+def test_cli_refuses_a_malformed_uri_as_a_usage_error(
+    command: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cloudckpt.cli import main  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "s3:/bucket/run"]) == 2
+    err = capsys.readouterr().err
+    assert "InvalidURIError" in err or "malformed URI" in err, err
+    assert "'s3:/bucket/run'" in err and "s3://bucket/run" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- buckets --------------------------------------------------------------------------------
 
 
