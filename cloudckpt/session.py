@@ -244,13 +244,15 @@ class SaveSession:
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)
         rank = dist.get_rank()
+        # every rank checks the same gathered keys, so every rank raises the same error
+        gathered: list[list[ShardedBase]] = []
         if validate:
             gathered = dist.all_gather_object(local)
             keys = gather_keys(dict(enumerate(gathered)))
         else:  # only the keys travel
             keys = merge_key_sets(dist.all_gather_object(gather_keys({rank: local})))
         layout = KeyLayout.of(self.backends.sharded_backend, self.objects_with_tensors)
-        validate_key_set(keys, layout, shown, rank)  # the same answer on every rank
+        validate_key_set(keys, layout, shown, rank)
         if validate:
             validate_sharding_integrity(gathered, shown)
         return parts, common_bytes

@@ -194,6 +194,18 @@ def test_key_with_characters_stores_mangle(location: StoreLocation) -> None:
         assert repr(key) in message and "cannot be used in keys" in message, message
 
 
+def test_keys_are_checked_without_the_sharding_validation_too(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    state = {"a": _tensor("a"), "b": _tensor("a/0"), "c": _tensor("../c")}
+    with pytest.raises(InvalidKeyError) as info:  # the escaping key first, alone
+        cloudckpt.save(state, uri, validate_access_integrity=False)
+    assert "'../c'" in str(info.value) and not isinstance(info.value, KeyCollisionError)
+    del state["c"]
+    with pytest.raises(KeyCollisionError, match="'a/0'"):
+        cloudckpt.save(state, uri, validate_access_integrity=False)
+    assert not Path(uri).exists()
+
+
 def test_keys_differing_only_by_a_version_id_are_both_refused(location: StoreLocation) -> None:
     # s3fs would write both to one object 'w': a committed checkpoint load could not read
     state = {"a": _tensor("w?versionId=1"), "b": _tensor("w?versionId=2")}
