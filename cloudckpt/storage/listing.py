@@ -66,15 +66,28 @@ def require_bucket(location: Location) -> None:
     """
     if location.kind not in (StoreKind.S3, StoreKind.GCS):
         return
-    bucket = location.fs._strip_protocol(location.root).split("/", 1)[0]
+    fs = location.fs
+    bucket = fs._strip_protocol(location.root).split("/", 1)[0]
     if not bucket:
         return
     try:
-        exists = location.fs.exists(bucket)
+        exists = _s3_bucket_exists(location) if location.kind is StoreKind.S3 else fs.exists(bucket)
     except io_errors() as exc:
         raise translate(exc, f"failed to look up the bucket of {location.uri}: {exc}") from exc
     if not exists:
         raise bucket_not_found(bucket, location.uri)
+
+
+def _s3_bucket_exists(location: Location) -> bool:
+    """One listing of at most one key under the root: it needs only the permission the
+    listing itself had (a HEAD of the bucket may be refused to credentials allowed one
+    prefix), and fails with NoSuchBucket (s3fs: FileNotFoundError) only without a bucket."""
+    bucket, key, _ = location.fs.split_path(location.root)
+    try:
+        location.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def bucket_not_found(bucket: str, uri: str) -> BucketNotFoundError:
