@@ -75,7 +75,7 @@ def require_bucket(location: Location) -> None:
     except io_errors() as exc:
         raise translate(exc, f"failed to look up the bucket of {location.uri}: {exc}") from exc
     if not exists:
-        raise bucket_not_found(bucket, location.uri)
+        raise _bucket_not_found(bucket, location.uri)
 
 
 def _s3_bucket_exists(location: Location) -> bool:
@@ -90,7 +90,7 @@ def _s3_bucket_exists(location: Location) -> bool:
     return True
 
 
-def bucket_not_found(bucket: str, uri: str) -> BucketNotFoundError:
+def _bucket_not_found(bucket: str, uri: str) -> BucketNotFoundError:
     """``bucket 'B' of URI does not exist``."""
     return BucketNotFoundError(
         f"bucket {bucket!r} of {uri!r} does not exist (or these credentials cannot see "
