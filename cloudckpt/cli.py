@@ -58,6 +58,7 @@ from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
     CorruptObjectError,
+    InvalidURIError,
     StorageError,
 )
 from cloudckpt.logfilter import install, install_on_handler
@@ -71,6 +72,7 @@ EXIT_UNAVAILABLE = 2  # usage error, no checkpoint at the URI, store unreachable
 _EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (UsageError, EXIT_UNAVAILABLE),
     (ConfigError, EXIT_UNAVAILABLE),
+    (InvalidURIError, EXIT_UNAVAILABLE),  # a usage error
     (CorruptObjectError, EXIT_PROBLEM),  # a StorageError, but about the checkpoint
     (CheckpointNotFoundError, EXIT_UNAVAILABLE),
     (StorageError, EXIT_UNAVAILABLE),  # unreachable, credentials, missing extra, I/O

@@ -25,9 +25,10 @@ from cloudckpt import dist
 from cloudckpt.commit import claim, commit
 from cloudckpt.config import CheckpointConfig, GiB
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
 from cloudckpt.load_session import LoadSession
 from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
-from cloudckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from cloudckpt.redact import redact_uri
 from cloudckpt.session import SaveSession
 from cloudckpt.storage import WriteResult
@@ -82,11 +83,13 @@ def convert(
         storage_options=dst_storage_options,
         config=config,
     )
+    tensors = source.tensors_metadata()
+    objects = _source_objects(source)
+    _check_keys(tensors, objects, target)  # before the claim: nothing written on failure
     claimed = claim(target.storage)
     results: list[WriteResult] = [r for r in [claimed] if r is not None]
-    objects = _source_objects(source)
     write = _BatchWrite(target, objects, results)
-    entries = _copy_tensors(source, target, write, max_batch_bytes, progress)
+    entries = _copy_tensors(source, tensors, target, write, max_batch_bytes, progress)
     write.finish()
     common = source.common_state()
     results += target.common.save_common_to(target.storage, common)
@@ -137,15 +140,28 @@ class _BatchWrite:
             self.results.append(self.dcp.finish())
 
 
+def _check_keys(tensors: ShardedStateDict, objects: ShardedStateDict, target: SaveSession) -> None:
+    """The source's keys must be storable in the target's layout (a torch_dist checkpoint
+    may hold keys that collide once they are zarr paths).
+
+    Raises:
+        InvalidKeyError / KeyCollisionError: naming the keys and the target URI.
+    """
+    shards = [v for v in (*tensors.values(), *objects.values()) if isinstance(v, ShardedBase)]
+    layout = KeyLayout.of(target.backends.sharded_backend, target.objects_with_tensors)
+    validate_key_set(gather_keys({0: shards}), layout, target.storage.uri, 0)
+
+
 def _copy_tensors(
     source: LoadSession,
+    tensors: ShardedStateDict,
     target: SaveSession,
     write: Callable[[ShardedStateDict], None],
     max_batch_bytes: int,
     progress: Callable[[int], None] | None,
 ) -> list[TensorEntry]:
     entries: list[TensorEntry] = []
-    for batch in _batches(source.tensors_metadata(), max_batch_bytes):
+    for batch in _batches(tensors, max_batch_bytes):
         copied = _read_batch(source, batch)
         write(copied)
         shards = [v for v in copied.values() if isinstance(v, ShardedTensor)]

@@ -12,9 +12,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 
-from cloudckpt.errors import (
-    CheckpointingException,
-)
+from cloudckpt.errors import MalformedCheckpointError
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -49,7 +47,7 @@ class CheckpointingConfig:
             doc = json.loads(raw)
             return cls(**doc)
         except (ValueError, TypeError) as exc:
-            raise CheckpointingException(
+            raise MalformedCheckpointError(
                 f"{where} is not a valid checkpoint config: {exc}"
             ) from exc
 

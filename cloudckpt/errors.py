@@ -224,3 +224,49 @@ class UnsafePickleError(CheckpointingException, pickle.UnpicklingError):
 
     def __reduce__(self) -> tuple[type[UnsafePickleError], tuple[str, str]]:
         return (type(self), (str(self), self.forbidden))
+# -- bad input (issue 12, item 7): appended here to ease merging ----------------------------
+
+
+class KeyCollisionError(InvalidKeyError):
+    """Keys of one save would be stored at the same object path, or one inside another's
+    (``a`` and ``a/0`` in the zarr layout), or at the path of one of cloudckpt's own
+    files (``manifest.json``, ``metadata.json``, ``common.pt``, the claim)."""
+
+
+class InvalidURIError(CheckpointingException, ValueError):
+    """A checkpoint URI is malformed or names an unknown protocol (``s3:/b/x``, ``://x``,
+    ``foo://x``, ``s3://`` without a bucket): refused, never taken as a local path."""
+
+
+class BucketNotFoundError(CheckpointNotFoundError):
+    """The bucket a URI names does not exist (``bucket``: its name)."""
+
+    def __init__(self, message: str, bucket: str = "") -> None:
+        super().__init__(message)
+        self.bucket = bucket
+
+    def __reduce__(self) -> tuple[type[BucketNotFoundError], tuple[str, str]]:
+        return (type(self), (str(self), self.bucket))
+
+
+class CommonStateError(CheckpointingException, TypeError):
+    """The common state cannot be serialized (a lambda, a lock, an open file...); raised
+    before anything is written. ``key_path`` is the dotted path of the first value found
+    that cannot be (``""`` when none alone is to blame)."""
+
+    def __init__(self, message: str, key_path: str = "") -> None:
+        super().__init__(message)
+        self.key_path = key_path
+
+    def __reduce__(self) -> tuple[type[CommonStateError], tuple[str, str]]:
+        return (type(self), (str(self), self.key_path))
+
+
+class MalformedCheckpointError(IncompatibleCheckpointError, ValueError):
+    """A checkpoint's own file cannot be parsed: ``metadata.json``, ``manifest.json``, a
+    ``.zarray`` or the DCP ``.metadata`` (not JSON, not the expected document, truncated)."""
+
+
+class TensorMismatchError(CheckpointingException, ValueError):
+    """A stored tensor's dtype or global shape differs from the one a load requests
+    (a shape difference is allowed with ``allow_shape_mismatch=True``)."""

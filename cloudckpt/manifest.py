@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cloudckpt.errors import CheckpointingException
+from cloudckpt.errors import MalformedCheckpointError
 from cloudckpt.storage.blocks import BlockCrcs
 from cloudckpt.storage.types import WriteResult
 
@@ -36,7 +36,7 @@ block_size, base64 of the packed block CRCs]``); version 1 lists ``[path, size, 
 only, and still loads (its ranged reads are checked against sizes only)."""
 
 
-class ManifestError(CheckpointingException, ValueError):
+class ManifestError(MalformedCheckpointError):
     """``manifest.json`` is not a valid cloudckpt manifest."""
 
 

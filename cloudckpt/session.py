@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ from cloudckpt.dict_utils import (
 )
 from cloudckpt.errors import (
     CheckpointingException,
+    CommonStateError,
 )
+from cloudckpt.keys import KeyLayout, gather_keys, merge_key_sets, validate_key_set
 from cloudckpt.manifest import Manifest, common_key_paths
 from cloudckpt.mapping import (
     LocalNonpersistentObject,
@@ -55,6 +58,7 @@ from cloudckpt.strategies.base import (
 )
 from cloudckpt.strategies.bound import (
     CommonSaver,
+    SerializingCommonSaver,
     ShardedSaver,
     StorageBackedMixin,
     bind_common_saver,
@@ -104,12 +108,16 @@ def open_storage(
     return storage
 
 
-def local_metadata(sharded: ShardedStateDict, uri: str) -> list[ShardedBase]:
-    """This rank's shards without data, keys checked as object paths."""
+def local_metadata(
+    sharded: ShardedStateDict, uri: str, check_keys: bool = True
+) -> list[ShardedBase]:
+    """This rank's shards without data, keys checked as object paths (unless
+    ``check_keys`` is False: a save checks every rank's keys at once)."""
     metadata = []
     for value in nested_values(sharded):
         if isinstance(value, ShardedBase):
-            validate_relpath(value.key, uri)
+            if check_keys:
+                validate_relpath(value.key, uri)
             metadata.append(value.without_data())
     return metadata
 
@@ -215,13 +223,13 @@ class SaveSession:
         on the coordinator."""
         started = time.perf_counter()
         shown = self.storage.uri
-        parts = self._prepare(sharded_state_dict, validate)
+        parts, common_bytes = self._prepare(sharded_state_dict, validate)
         if validate:
             check_common_consistency(parts[2], preprocess_common, shown)
         claimed = claim(self.storage)
         results: list[WriteResult] = [claimed] if claimed is not None else []
         with dist.agree(f"saving checkpoint {shown!r}"), logged_failure("save", shown):
-            results += self._write(parts)
+            results += self._write(parts, common_bytes)
         manifest = self._commit(parts, results, claimed)
         log_rate("saved", shown, sum(r.size for r in results), len(results), started)
         return manifest
@@ -244,14 +252,14 @@ class SaveSession:
                 f"Cannot apply async_save to non-async strategy {self.sharded}: it writes "
                 f"{shown!r} itself, so its writes cannot be staged (rank {dist.get_rank()})"
             )
-        parts = self._prepare(sharded_state_dict, validate)
+        parts, common_bytes = self._prepare(sharded_state_dict, validate)
         if validate:
             check_common_consistency(parts[2], preprocess_common, shown)
         claimed = claim(self.storage)
         staging = StagingStorage.over(self.storage)
         results: list[WriteResult] = [claimed] if claimed is not None else []
         with dist.agree(f"staging checkpoint {shown!r}"), logged_failure("stage", shown):
-            results += self._write(parts, staging)
+            results += self._write(parts, common_bytes, staging)
         logger.debug("rank %d staged %d bytes for %s", dist.get_rank(), staging.staged_bytes, shown)
 
         def upload() -> None:
@@ -278,21 +286,45 @@ class SaveSession:
             claimed=claimed,
         )
 
-    def _prepare(self, sharded_state_dict: ShardedStateDict, validate: bool) -> StateParts:
-        """Apply factories, split, check keys and (collectively) the sharding."""
+    def _prepare(
+        self, sharded_state_dict: ShardedStateDict, validate: bool
+    ) -> tuple[StateParts, bytes | None]:
+        """Apply factories, split, serialize the common state (coordinator), then check
+        every rank's keys and (``validate``) the sharding, before anything is written.
+        Returns the parts and the serialized common state (None: the common strategy
+        serializes it when writing)."""
         shown = self.storage.uri
+        common_bytes = None
         with dist.agree(f"preparing checkpoint {shown!r}"):
             apply_factories(sharded_state_dict)
             parts = split_state_dict(sharded_state_dict)
-            local = local_metadata(parts[0], shown) + local_metadata(parts[1], shown)
+            local = [
+                *local_metadata(parts[0], shown, check_keys=False),
+                *local_metadata(parts[1], shown, check_keys=False),
+            ]
+            if dist.get_rank() == COORDINATOR:
+                common_bytes = serialize_common(self.common, parts[2], shown)
+        rank = dist.get_rank()
+        # every rank checks the same gathered keys, so every rank raises the same error
+        gathered: list[list[ShardedBase]] = []
+        if validate:
+            gathered = dist.all_gather_object(local)
+            keys = gather_keys(dict(enumerate(gathered)))
+        else:  # only the keys travel
+            keys = merge_key_sets(dist.all_gather_object(gather_keys({rank: local})))
+        layout = KeyLayout.of(self.backends.sharded_backend, self.objects_with_tensors)
+        validate_key_set(keys, layout, shown, rank)
         if validate:
             backend = self.backends.sharded_backend
             grid = backend if backend in REGULAR_GRID_BACKENDS else None
-            validate_sharding_integrity(dist.all_gather_object(local), shown, grid)
-        return parts
+            validate_sharding_integrity(gathered, shown, grid)
+        return parts, common_bytes
 
     def _write(
-        self, parts: StateParts, storage: CheckpointStorage | None = None
+        self,
+        parts: StateParts,
+        common_bytes: bytes | None,
+        storage: CheckpointStorage | None = None,
     ) -> list[WriteResult]:
         """This rank's objects: tensors (and objects, when the sharded strategy handles
         them), the common state on the coordinator, else objects by the common strategy;
@@ -302,7 +334,10 @@ class SaveSession:
         with_objects = self.objects_with_tensors
         results = self.sharded.save_to(storage, sharded if with_objects else tensors, self.config)
         if dist.get_rank() == COORDINATOR:
-            results += self.common.save_common_to(storage, common)
+            if common_bytes is not None and isinstance(self.common, SerializingCommonSaver):
+                results += self.common.write_serialized_common(storage, common_bytes)
+            else:
+                results += self.common.save_common_to(storage, common)
         if not with_objects:
             results += self.common.save_objects_to(storage, objects)
         return results
@@ -330,3 +365,57 @@ def check_common_consistency(
             "(checkpoint %s; only rank 0's common state is saved)",
             rank, only_rank0, rank, only_here, [m[0] for m in mismatch], shown,
         )
+
+
+# -- the common state, serialized before the claim ---------------------------------------
+
+
+def serialize_common(saver: CommonSaver, common: StateDict, uri: str) -> bytes | None:
+    """The common state's bytes, made before the claim so that a value that cannot be
+    serialized fails before anything is written. A strategy without
+    ``serialize_common`` (one written for Megatron-Core) serializes when it writes;
+    the state is then pickled once here as a check, and None returned.
+
+    Raises:
+        CommonStateError: naming the key path of the value at fault, the rank and URI.
+    """
+    try:
+        if isinstance(saver, SerializingCommonSaver):
+            return saver.serialize_common(common)
+        pickle.dumps(common)
+        return None
+    except Exception as exc:  # whatever the pickler raised, named
+        raise common_state_error(common, exc, uri) from exc
+
+
+def common_state_error(common: StateDict, exc: BaseException, uri: str) -> CommonStateError:
+    """The error for a common state that failed to serialize with ``exc``: it names the
+    first value found (depth first) that cannot be pickled alone."""
+    path, value = _unpicklable_value(common, "")
+    shown = f"the value at {path!r} (a {type(value).__name__})" if path else "it"
+    return CommonStateError(
+        f"rank {dist.get_rank()}: the common state of checkpoint {uri!r} cannot be "
+        f"serialized: {shown} fails with {type(exc).__name__}: {exc}. Nothing was written; "
+        "wrap such values in a LocalNonpersistentObject or leave them out",
+        path,
+    )
+
+
+def _unpicklable_value(value: Any, path: str) -> tuple[str, Any]:
+    """(dotted key path, value) of the first leaf below ``value`` that does not pickle;
+    ("", None) when every leaf does."""
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - this is the value looked for
+            return path, value
+        return "", None
+    for key, item in items:
+        found = _unpicklable_value(item, f"{path}.{key}" if path else str(key))
+        if found[0]:
+            return found
+    return "", None

@@ -8,8 +8,9 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any
 
+from cloudckpt.errors import BucketNotFoundError
 from cloudckpt.storage.edge import io_errors, translate
-from cloudckpt.storage.location import Location
+from cloudckpt.storage.location import Location, StoreKind
 
 
 def list_sizes(location: Location, base: str) -> dict[str, int]:
@@ -30,6 +31,8 @@ def list_sizes(location: Location, base: str) -> dict[str, int]:
         if is_directory_entry(name, info) or name.rstrip("/") == root:
             continue
         sizes[name[prefix_len:]] = int(info.get("size") or 0)
+    if not sizes:
+        require_bucket(location)
     return sizes
 
 
@@ -48,7 +51,52 @@ def list_children(location: Location) -> list[str]:
         path = fs._strip_protocol(entry["name"]).rstrip("/")
         if entry.get("type") == "directory" and path != root:
             names.add(posixpath.basename(path))
+    if not names:
+        require_bucket(location)
     return sorted(names)
+
+
+def require_bucket(location: Location) -> None:
+    """After a listing found nothing on S3 or GCS: raise if the URI's bucket does not
+    exist (one request), so that a mistyped bucket is not an empty prefix (``latest``
+    would answer None and a job would start from scratch).
+
+    Raises:
+        BucketNotFoundError: naming the bucket and the URI.
+    """
+    if location.kind not in (StoreKind.S3, StoreKind.GCS):
+        return
+    fs = location.fs
+    bucket = fs._strip_protocol(location.root).split("/", 1)[0]
+    if not bucket:
+        return
+    try:
+        exists = _s3_bucket_exists(location) if location.kind is StoreKind.S3 else fs.exists(bucket)
+    except io_errors() as exc:
+        raise translate(exc, f"failed to look up the bucket of {location.uri}: {exc}") from exc
+    if not exists:
+        raise _bucket_not_found(bucket, location.uri)
+
+
+def _s3_bucket_exists(location: Location) -> bool:
+    """One listing of at most one key under the root: it needs only the permission the
+    listing itself had (a HEAD of the bucket may be refused to credentials allowed one
+    prefix), and fails with NoSuchBucket (s3fs: FileNotFoundError) only without a bucket."""
+    bucket, key, _ = location.fs.split_path(location.root)
+    try:
+        location.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _bucket_not_found(bucket: str, uri: str) -> BucketNotFoundError:
+    """``bucket 'B' of URI does not exist``."""
+    return BucketNotFoundError(
+        f"bucket {bucket!r} of {uri!r} does not exist (or these credentials cannot see "
+        "it): check the URI's bucket name",
+        bucket,
+    )
 
 
 def is_directory_entry(name: str, info: Mapping[str, Any]) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -15,7 +16,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from cloudckpt.config import CheckpointConfig, resolve_storage_options
-from cloudckpt.errors import InvalidKeyError, StorageError
+from cloudckpt.errors import InvalidKeyError, InvalidURIError, StorageError
 from cloudckpt.logfilter import install as install_log_filter
 from cloudckpt.redact import redact_text, redact_uri, remember_secrets
 from cloudckpt.retry_policy import RetryPolicy
@@ -86,18 +87,67 @@ def resolve(
     """Resolve ``raw_uri`` (or take ``fs``, the URI's path being the root).
 
     Raises:
+        InvalidURIError: a malformed URI or an unknown protocol (:func:`check_uri`).
         MissingDependencyError: the URI's store is not installed (names the extra).
         StorageError: fsspec cannot make sense of the URI or the options.
     """
     install_log_filter()  # no secret in the logs of cloudckpt and the clients it calls
     uri = redact_uri(raw_uri)
     if fs is None:
+        check_uri(raw_uri, uri)
         fs, root = _filesystem(raw_uri, uri, storage_options, config, max_in_flight)
     else:
         remember_secrets(getattr(fs, "storage_options", None), raw_uri)
         root = fs._strip_protocol(raw_uri)
     root = root.rstrip("/") if root not in ("/", "") else root
     return Location(fs, root, uri, store_kind(fs))
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+# a scheme of two letters or more and a colon not followed by "//" ("C:" is a drive)
+_BROKEN_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(?!//)")
+_BUCKET_PROTOCOLS = (*S3_PROTOCOLS, *GCS_PROTOCOLS)
+
+
+def check_uri(raw_uri: str, shown: str) -> None:
+    """Refuse a URI that is malformed or names an unknown protocol, instead of taking it
+    for a local path (``s3:/bucket/x`` would otherwise be a folder ``s3:`` here).
+
+    Accepted: local paths, ``<protocol>://...`` for a protocol fsspec knows (installed or
+    not: a missing package is a :class:`MissingDependencyError` later), with a bucket
+    for ``s3://`` and ``gs://``, and fsspec's chained URLs (``simplecache::s3://...``).
+
+    Raises:
+        InvalidURIError: naming the URI (``shown``, redacted) and what is wrong.
+    """
+    if "::" in raw_uri:  # chained: fsspec parses and checks each link
+        return
+    protocol, sep, rest = raw_uri.partition("://")
+    if sep:
+        if not _SCHEME.fullmatch(protocol):
+            raise InvalidURIError(
+                f"{shown!r} is not a valid URI: {protocol!r} is not a protocol name"
+            )
+        if protocol not in fsspec.available_protocols():
+            raise InvalidURIError(
+                f"{shown!r} names an unknown protocol {protocol!r}; known: s3://, gs://, "
+                "file:// or a local path, memory://, and the other fsspec protocols"
+            )
+        if protocol in _BUCKET_PROTOCOLS and (not rest or rest.startswith("/")):
+            raise InvalidURIError(
+                f"{shown!r} names no bucket: expected {protocol}://BUCKET/PREFIX"
+            )
+        return
+    broken = _BROKEN_SCHEME.match(raw_uri)
+    if broken is None:
+        return
+    scheme, after = broken.group(1), raw_uri[broken.end() :]
+    if after.startswith("/") or scheme in fsspec.available_protocols():
+        meant = f"{scheme}://{'/' if scheme == 'file' else ''}{after.lstrip('/')}"
+        raise InvalidURIError(
+            f"{shown!r} is a malformed URI ({scheme!r} followed by ':' without '//'), not "
+            f"a local path: did you mean {meant}?"
+        )
 
 
 def store_kind(fs: fsspec.AbstractFileSystem) -> StoreKind:
@@ -179,28 +229,55 @@ def _s3_client_defaults(
     }
 
 
-def validate_relpath(key: str, uri: str = "") -> str:
-    """Check that ``key`` is usable as an object path below a checkpoint root.
+# ``?`` starts s3fs's version id (``w?versionId=1`` and ``w?versionId=2`` are one object),
+# ``*``, ``?`` and ``[`` are fsspec's glob characters (a delete of ``w*`` would remove
+# ``w1`` too), ``#`` starts a URL fragment, a backslash is a separator on some stores and
+# tools, and control characters are mangled by listings and XML responses.
+FORBIDDEN_KEY_CHARACTERS = frozenset("?#*[]\\") | frozenset(map(chr, [*range(32), 127]))
 
-    Keys come from user state dicts. They must be relative, with no empty, ``.`` or
-    ``..`` segments and no backslashes, so that no key can escape the checkpoint
-    prefix or alias another key.
+
+def relpath_problem(key: object) -> str | None:
+    """Why ``key`` cannot be an object path below a checkpoint root, or None when it can.
+
+    A path must be a non-empty string, valid UTF-8, relative (no leading ``/``), with
+    no empty, ``.`` or ``..`` segments (nothing escapes the checkpoint prefix or aliases
+    another path) and none of :data:`FORBIDDEN_KEY_CHARACTERS` (characters the stores or
+    fsspec give a meaning: ``?``, ``#``, ``*``, ``[``, ``]``, backslash, control
+    characters). The rules are the same for every store.
+    """
+    if not isinstance(key, str) or not key:
+        return "keys must be non-empty strings"
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return "keys must be valid UTF-8"
+    if key.startswith("/"):
+        return "keys must be relative paths (no leading '/')"
+    bad = sorted({c for c in key if c in FORBIDDEN_KEY_CHARACTERS})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        return (
+            f"{shown} cannot be used in keys (object stores and fsspec give "
+            f"{'it' if len(bad) == 1 else 'them'} a meaning: version ids, URL fragments, "
+            "globs, separators, control characters)"
+        )
+    if any(seg in ("", ".", "..") for seg in key.split("/")):
+        return "empty, '.' or '..' path segments are not allowed"
+    return None
+
+
+def validate_relpath(key: str, uri: str = "") -> str:
+    """Check that ``key`` is usable as an object path below a checkpoint root (see
+    :func:`relpath_problem`), so that no key can escape the checkpoint prefix or alias
+    another key.
 
     Raises:
         InvalidKeyError: naming the key and the checkpoint URI.
     """
-    where = f" in checkpoint {uri!r}" if uri else ""
-    if not isinstance(key, str) or not key:
-        raise InvalidKeyError(f"invalid key {key!r}{where}: keys must be non-empty strings")
-    if key.startswith("/") or "\\" in key:
-        raise InvalidKeyError(
-            f"invalid key {key!r}{where}: keys must be relative paths without backslashes"
-        )
-    bad = [seg for seg in key.split("/") if seg in ("", ".", "..")]
-    if bad:
-        raise InvalidKeyError(
-            f"invalid key {key!r}{where}: empty, '.' or '..' path segments are not allowed"
-        )
+    problem = relpath_problem(key)
+    if problem is not None:
+        where = f" in checkpoint {uri!r}" if uri else ""
+        raise InvalidKeyError(f"invalid key {key!r}{where}: {problem}")
     return key
 
 

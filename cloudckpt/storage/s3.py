@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-NOT_FOUND = ("NoSuchKey", "404", "NotFound")
+NOT_FOUND = ("NoSuchKey", "404", "NotFound", "NoSuchBucket")  # a missing bucket: see listing.py
 NO_SUCH_UPLOAD = ("NoSuchUpload", "404")
 PROBE_CONNECT_TIMEOUT_S = 2.0
 PROBE_READ_TIMEOUT_S = 5.0

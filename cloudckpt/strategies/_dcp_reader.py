@@ -30,6 +30,7 @@ from cloudckpt import dist
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointKeyNotFoundError,
+    TensorMismatchError,
 )
 from cloudckpt.mapping import ShardedObject, ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
@@ -184,7 +185,7 @@ class DcpCheckpoint:
             logger.debug("%s: stored as %s, loaded as %s", where, md.properties.dtype, sh.dtype)
         stored = self.global_shape(sh.key)
         if stored != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
-            raise CheckpointingException(
+            raise TensorMismatchError(
                 f"Global shape mismatch for loaded ({stored}) and expected "
                 f"({tuple(sh.global_shape)}) tensor for key {sh.key} ({where}: stored global "
                 f"shape {stored}, requested {tuple(sh.global_shape)}; set "

@@ -47,7 +47,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from torch.futures import Future
 
-from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError, UnsafePickleError
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointNotFoundError,
+    MalformedCheckpointError,
+    UnsafePickleError,
+)
 from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
@@ -309,7 +314,7 @@ def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) 
     Raises:
         CheckpointNotFoundError: there is none.
         UnsafePickleError: it names a global outside DCP's metadata types.
-        CheckpointingException: it is not a DCP Metadata.
+        MalformedCheckpointError: it is not a DCP Metadata (not a pickle, truncated).
     """
     where = storage.child_uri(METADATA_FNAME)
     try:
@@ -323,9 +328,11 @@ def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) 
     except UnsafePickleError:
         raise
     except Exception as exc:
-        raise CheckpointingException(f"{where} is not a PyTorch DCP metadata file: {exc}") from exc
+        raise MalformedCheckpointError(
+            f"{where} is not a PyTorch DCP metadata file: {exc}"
+        ) from exc
     if not isinstance(metadata, Metadata):
-        raise CheckpointingException(f"{where} holds a {type(metadata).__name__}, not Metadata")
+        raise MalformedCheckpointError(f"{where} holds a {type(metadata).__name__}, not Metadata")
     return metadata
 
 

@@ -27,7 +27,7 @@ import numcodecs
 import numpy as np
 import torch
 
-from cloudckpt.errors import IncompatibleCheckpointError
+from cloudckpt.errors import IncompatibleCheckpointError, MalformedCheckpointError
 
 ZARRAY = ".zarray"
 
@@ -140,13 +140,13 @@ class ArrayMeta:
         try:
             doc = json.loads(raw)
         except ValueError as exc:
-            raise IncompatibleCheckpointError(f"{where}: not a valid .zarray: {exc}") from exc
+            raise MalformedCheckpointError(f"{where}: not a valid .zarray: {exc}") from exc
         if not isinstance(doc, dict):
-            raise IncompatibleCheckpointError(f"{where}: not a valid .zarray: not a JSON object")
+            raise MalformedCheckpointError(f"{where}: not a valid .zarray: not a JSON object")
         try:
             return cls._from_doc(doc, where)
         except (KeyError, TypeError, ValueError) as exc:
-            raise IncompatibleCheckpointError(
+            raise MalformedCheckpointError(
                 f"{where}: not a valid .zarray: bad or missing field {exc}"
             ) from exc
 

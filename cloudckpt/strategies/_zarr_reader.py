@@ -21,6 +21,7 @@ from cloudckpt.errors import (
     CheckpointingException,
     CheckpointKeyNotFoundError,
     CheckpointNotFoundError,
+    TensorMismatchError,
 )
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
@@ -102,11 +103,11 @@ class TensorReader:
     def _check_compatible(self, sh: ShardedTensor, meta: ArrayMeta) -> None:
         where = f"tensor {sh.key!r} in checkpoint {self.storage.uri!r}"
         if meta.dtype != sh.dtype:
-            raise CheckpointingException(
+            raise TensorMismatchError(
                 f"{where}: stored dtype {meta.dtype}, requested {sh.dtype}"
             )
         if tuple(meta.shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
-            raise CheckpointingException(
+            raise TensorMismatchError(
                 f"Global shape mismatch for loaded ({tuple(meta.shape)}) and expected "
                 f"({tuple(sh.global_shape)}) tensor for key {sh.key} ({where}: stored global "
                 f"shape {tuple(meta.shape)}, requested {tuple(sh.global_shape)}; set "

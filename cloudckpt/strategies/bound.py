@@ -75,6 +75,21 @@ class CommonSaver(Protocol):
 
 
 @runtime_checkable
+class SerializingCommonSaver(CommonSaver, Protocol):
+    """A common saver that serializes the common state apart from writing it, so that
+    a save serializes it before its claim (a value that cannot be serialized then
+    fails before anything is written)."""
+
+    def serialize_common(self, common: StateDict) -> bytes:
+        """The bytes of the common state, as :meth:`write_serialized_common` stores them."""
+        ...
+
+    def write_serialized_common(self, storage: CheckpointStorage, raw: bytes) -> list[WriteResult]:
+        """Write bytes made by :meth:`serialize_common`."""
+        ...
+
+
+@runtime_checkable
 class ShardedLoader(Protocol):
     """Reads sharded tensors (and objects, when it handles them), resharding."""
 

@@ -96,7 +96,15 @@ class TorchCommonSaveStrategy(CommonSaveMixin, SaveCommonStrategy):
 
     def save_common_to(self, storage: CheckpointStorage, common: StateDict) -> list[WriteResult]:
         """Write ``common.pt`` (call on the coordinating rank only)."""
-        return [storage.write(COMMON_STATE_FNAME, _dumps(common))]
+        return self.write_serialized_common(storage, self.serialize_common(common))
+
+    def serialize_common(self, common: StateDict) -> bytes:
+        """The bytes of ``common.pt`` (``torch.save``)."""
+        return _dumps(common)
+
+    def write_serialized_common(self, storage: CheckpointStorage, raw: bytes) -> list[WriteResult]:
+        """Write ``common.pt`` from :meth:`serialize_common`'s bytes."""
+        return [storage.write(COMMON_STATE_FNAME, raw)]
 
     def save_objects_to(
         self, storage: CheckpointStorage, objects: ShardedStateDict
