@@ -303,7 +303,7 @@ def test_a_delayed_read_on_one_rank_fails_the_load_on_every_rank(
 ) -> None:
     uri = f"{proxied.bucket_uri}/run/load"
     direct = proxied.server.storage_options()
-    saved = rank_pool.run(_save, uri, direct, {}, 1000)
+    saved = rank_pool.run(_save, uri, direct, {"backend": "zarr"}, 1000)  # one object per row
     assert [o["raised"] for o in saved] == [False] * WORLD, saved
     assert proxied.objects("run/load/big/1.0")  # rank 1's row is that object alone
     proxied.proxy.delay(30.0, methods={"GET"}, path_contains="/big/1.0")

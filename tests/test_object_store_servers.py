@@ -163,7 +163,7 @@ def test_a_part_corrupted_in_flight_is_never_committed_unnoticed(
     uri = f"{bucket_uri}/run/iter_0000001"
     weight = torch.randn(3 * MiB, generator=torch.Generator().manual_seed(0))  # 12 MiB
     state = {"w": ShardedTensor.from_rank_offsets("w", weight), "iteration": 1}
-    config = CheckpointConfig(part_size=5 * MiB, chunk_size=None)
+    config = CheckpointConfig(part_size=5 * MiB, chunk_size=None, backend="zarr")  # w/0: one object
     monkeypatch.setattr(cloudckpt.storage.s3, "BufferReader", _CorruptingReader)
 
     if server.checks_crc32c:

@@ -499,7 +499,15 @@ def _multirank_scenario(rank: int, world: int, root: str) -> list[tuple[str, boo
     for backend in BACKENDS:
         for name, common in (("evil", Evil(marker)), ("trusted", Opaque(7))):
             state = _rank_state(rank, world, common)
-            cloudckpt.save(state, f"{root}/{backend}-{name}", sharded_strategy=(backend, 1))
+            # the checkpoint is the untrusted input here: save without the common-state
+            # consistency check, which (as Megatron-Core's) unpickles rank 0's own common
+            # state on the other ranks
+            cloudckpt.save(
+                state,
+                f"{root}/{backend}-{name}",
+                sharded_strategy=(backend, 1),
+                validate_access_integrity=False,
+            )
         try:
             cloudckpt.load(_rank_state(rank, world, None, True), f"{root}/{backend}-evil")
         except UnsafePickleError as exc:

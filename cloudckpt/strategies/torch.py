@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -56,6 +57,7 @@ from cloudckpt.mapping import (
     is_main_replica,
 )
 from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult
+from cloudckpt.strategies._dcp_errors import TorchDistSaveError, save_failure
 from cloudckpt.strategies._dcp_reader import (
     ORIG_SHAPE_KEY,
     DcpCheckpoint,
@@ -188,7 +190,10 @@ def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
     planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings(), quiet_dcp_debug():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-        state_dict_saver.save(state, storage_writer=writer, planner=planner)
+        try:
+            state_dict_saver.save(state, storage_writer=writer, planner=planner)
+        except CheckpointException as exc:  # a BaseException: made a CheckpointingException
+            raise save_failure(exc, writer.storage.uri) from exc
 
 
 # ShardedSaveMixin.save returns the write results where AsyncSaveShardedStrategy.save
@@ -512,6 +517,7 @@ __all__ = [
     "MCoreSavePlanner",
     "TorchDistLoadShardedStrategy",
     "TorchDistSaveShardedStrategy",
+    "TorchDistSaveError",
     "dcp_save",
     "flatten_state_dict",
     "get_reformulation_metadata",
