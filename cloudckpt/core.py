@@ -12,6 +12,9 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 
+from cloudckpt.errors import (  # CheckpointingException: Megatron-Core's core.py defines it
+    CheckpointingException as CheckpointingException,  # noqa: PLC0414
+)
 from cloudckpt.errors import MalformedCheckpointError
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
 

@@ -13,6 +13,7 @@ Without an initialised process group, both work in one process (a world of one).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -20,7 +21,7 @@ from cloudckpt import dist
 from cloudckpt.commit import open_committed, read_commit_state
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.load_session import LoadSession, load_checkpoint
-from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict
+from cloudckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from cloudckpt.redact import redact_uri
 from cloudckpt.safe_pickle import weights_only_scope
 from cloudckpt.session import PreprocessCommon, SaveSession, open_storage
@@ -41,6 +42,12 @@ _T = TypeVar("_T")
 
 DEFAULT_SHARDED_BACKEND = ("torch_dist", 1)
 CONTENT_METADATA_KEY = "content_metadata"
+logger = logging.getLogger(__name__)
+
+_CONTENT_METADATA_KEY = CONTENT_METADATA_KEY  # Megatron-Core's name
+
+#: What :func:`load_sharded_metadata` returns (Megatron-Core's alias).
+CkptShardedMetadata = dict[str, ShardedTensor | ShardedObject]
 DEFAULT_COMMON_BACKEND = ("torch", 1)
 
 SaveShardedArg = SaveShardedStrategy | tuple[str, int] | None

@@ -869,6 +869,8 @@ MCORE_MODULES = {
     "strategies/filesystem_async": "cloudckpt.strategies.filesystem_async",
     "strategies/state_dict_saver": "cloudckpt.strategies.state_dict_saver",
     "strategies/async_utils": "cloudckpt.strategies.async_utils",
+    "strategies/fully_parallel": "cloudckpt.strategies.fully_parallel",
+    "serialization": "cloudckpt.serialization",
 }
 # names docs/megatron-compat.md lists as "no" (with the reason there), or owned elsewhere
 NOT_PROVIDED = {
@@ -914,6 +916,7 @@ NOT_PROVIDED = {
 # parameters named differently (called positionally by Megatron-Core), see the doc
 RENAMED = {
     "TorchDistLoadShardedStrategy.check_backend_compatibility",
+    "FullyParallelLoadStrategyWrapper.check_backend_compatibility",
     "validate_sharding_integrity",
 }
 
