@@ -197,12 +197,13 @@ def test_key_with_characters_stores_mangle(location: StoreLocation) -> None:
 def test_keys_are_checked_without_the_sharding_validation_too(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     state = {"a": _tensor("a"), "b": _tensor("a/0"), "c": _tensor("../c")}
+    zarr = ("zarr", 1)  # where 'a/0' is a chunk of 'a'
     with pytest.raises(InvalidKeyError) as info:  # the escaping key first, alone
-        cloudckpt.save(state, uri, validate_access_integrity=False)
+        cloudckpt.save(state, uri, zarr, validate_access_integrity=False)
     assert "'../c'" in str(info.value) and not isinstance(info.value, KeyCollisionError)
     del state["c"]
     with pytest.raises(KeyCollisionError, match="'a/0'"):
-        cloudckpt.save(state, uri, validate_access_integrity=False)
+        cloudckpt.save(state, uri, zarr, validate_access_integrity=False)
     assert not Path(uri).exists()
 
 
@@ -304,7 +305,9 @@ def test_dtype_or_shape_disagreement_between_ranks(
 ) -> None:
     uri = str(tmp_path / "ckpt")
     outcomes = two_ranks.run(_disagreeing_ranks, uri, attr)
-    detail = "dtype differs" if attr == "dtype" else "local_shape differs"
+    # shards of different local shapes are valid (uneven sharding), but here they make
+    # the ranks disagree on the global shape
+    detail = "dtype differs" if attr == "dtype" else "global_shape differs"
     for rank, out in enumerate(outcomes):
         assert "ShardingValidationError" in out["kinds"], (rank, out)
         message = out["message"]
