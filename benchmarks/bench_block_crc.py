@@ -26,15 +26,14 @@ import argparse
 import contextlib
 import dataclasses
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
+from _seaweedfs import seaweedfs_bucket  # benchmarks/_seaweedfs.py
 
 import cloudckpt
 from cloudckpt import ShardedTensor
@@ -44,7 +43,6 @@ from cloudckpt.storage import blocks, crc32c, open_checkpoint, reads
 from cloudckpt.storage import checkpoint as checkpoint_mod
 from cloudckpt.storage import pool as pool_mod
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 GiB = 2**30
 
@@ -221,31 +219,6 @@ def resharded_reads(base: str, options: dict[str, Any], args: argparse.Namespace
                   f"ratio {counts[0] / counts[1]:.3f}")  # fmt: skip
 
 
-# -- a server for the run ------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _seaweedfs_bucket() -> Iterator[tuple[str, dict[str, Any]]]:
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from tests import servers  # noqa: PLC0415 - the dev extra's server, as the tests use
-
-    server = servers.start_seaweedfs_s3()
-    try:
-        options = {
-            "endpoint_url": server.endpoint,
-            "key": servers.SEAWEEDFS_KEY,
-            "secret": servers.SEAWEEDFS_SECRET,
-            "client_kwargs": {"region_name": servers.SEAWEEDFS_REGION},
-        }
-        import fsspec  # noqa: PLC0415
-
-        bucket = f"cloudckpt-bench-{uuid.uuid4().hex[:8]}"
-        fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
-        print(f"SeaweedFS S3 server at {server.endpoint}, bucket {bucket}")
-        yield f"s3://{bucket}", options
-    finally:
-        server.stop()
 
 
 def main() -> None:
@@ -260,7 +233,7 @@ def main() -> None:
     crc_throughput(args.mib)
     with contextlib.ExitStack() as stack:
         if args.server == "seaweedfs":
-            base, options = stack.enter_context(_seaweedfs_bucket())
+            base, options, _ = stack.enter_context(seaweedfs_bucket())
         else:
             base, options = stack.enter_context(tempfile.TemporaryDirectory()), {}
         run = f"{base}/{uuid.uuid4().hex[:8]}"

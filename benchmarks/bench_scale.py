@@ -21,23 +21,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import torch
+from _seaweedfs import seaweedfs_bucket  # benchmarks/_seaweedfs.py
 
 import cloudckpt
 from cloudckpt import ShardedTensor
 from cloudckpt.launch import RankPool
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -118,30 +115,6 @@ def _measure(
     )
 
 
-@contextlib.contextmanager
-def _seaweedfs() -> Iterator[tuple[str, dict[str, Any], Any]]:
-    """A SeaweedFS server, a fresh bucket, and a counting proxy in front of it."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from tests import servers  # noqa: PLC0415 - dev extra
-    from tests.faultproxy import FaultProxy  # noqa: PLC0415
-
-    server = servers.start_seaweedfs_s3()
-    try:
-        with FaultProxy(server.endpoint, max_connections=256) as proxy:
-            options = {
-                "endpoint_url": proxy.endpoint_url,
-                "key": servers.SEAWEEDFS_KEY,
-                "secret": servers.SEAWEEDFS_SECRET,
-                "client_kwargs": {"region_name": servers.SEAWEEDFS_REGION},
-            }
-            bucket = f"cloudckpt-scale-{uuid.uuid4().hex[:8]}"
-            fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
-            yield f"s3://{bucket}", options, proxy
-    finally:
-        server.stop()
-
-
 def _print(rows: list[Figures], args: argparse.Namespace) -> None:
     total = args.ranks * args.tensors
     print(
@@ -185,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = stack.enter_context(tempfile.TemporaryDirectory(prefix="scale-"))
                 options, proxy = None, None
             elif store == "seaweedfs":
-                base, options, proxy = stack.enter_context(_seaweedfs())
+                base, options, proxy = stack.enter_context(seaweedfs_bucket(proxy=True))
             else:
                 parser.error(f"unknown store {store!r} (local, seaweedfs)")
             for backend in backends:
