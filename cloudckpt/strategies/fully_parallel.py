@@ -181,7 +181,8 @@ def distribute_main_replicas_with_precomputed_distribution(
 
 class _WrappedStorageSettings:
     """The storage settings a session reads from a strategy (``fs``, ``storage_options``,
-    ``config``): a wrapper's are those of the strategy it wraps."""
+    ``config``) and ``can_handle_sharded_objects``: a wrapper's are those of the strategy
+    it wraps."""
 
     base_strategy: SaveShardedStrategy | LoadShardedStrategy
 
@@ -199,6 +200,11 @@ class _WrappedStorageSettings:
     def config(self) -> Any:
         """The wrapped strategy's CheckpointConfig, if it has one."""
         return getattr(self.base_strategy, "config", None)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """As the wrapped strategy."""
+        return bool(self.base_strategy.can_handle_sharded_objects)
 
 
 class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveShardedStrategy):
@@ -236,11 +242,6 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
     @cached_distribution.setter
     def cached_distribution(self, distribution: ShardDistribution | None) -> None:
         self._cache.store(distribution, None)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        """As the wrapped strategy."""
-        return bool(self.base_strategy.can_handle_sharded_objects)
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
         """Choose which rank writes each shard and set the replica ids accordingly.
@@ -365,11 +366,6 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
     @cached_distribution.setter
     def cached_distribution(self, distribution: ShardDistribution | None) -> None:
         self._cache.store(distribution, None)
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        """As the wrapped strategy."""
-        return bool(self.base_strategy.can_handle_sharded_objects)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """As the wrapped strategy."""
