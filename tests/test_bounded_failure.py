@@ -41,6 +41,7 @@ from cloudckpt.dist_guard import (
 from cloudckpt.launch import RankPool
 from tests.faultproxy import FaultProxy
 from tests.fixtures_object_stores import S3_CASES, S3Endpoint, bucket_location, server_for
+from tests.test_failure_agreement import _outcome  # the same outcome record
 from tests.test_multirank import tp_state
 
 REAL_S3 = S3_CASES[-1]  # SeaweedFS (or the external endpoint)
@@ -99,23 +100,6 @@ def big_state(rank: int, world: int, row: int = ROW, empty: bool = False) -> dic
     """One (world, row) float32 tensor, a row per rank, and a plain value."""
     data = torch.empty(1, row) if empty else torch.arange(row, dtype=torch.float32)[None] + rank
     return {"big": ShardedTensor.from_rank_offsets("big", data, (0, rank, world)), "step": 7}
-
-
-def _outcome(fn: Any, *args: Any, **kwargs: Any) -> dict:
-    """What ``fn`` raised (kinds, message, failed ranks) and when (wall clock)."""
-    started = time.monotonic()
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
-        return {
-            "raised": True,
-            "kinds": [c.__name__ for c in type(exc).__mro__],
-            "message": str(exc),
-            "failed_ranks": sorted(getattr(exc, "failures", {})),
-            "elapsed": time.monotonic() - started,
-            "raised_at": time.time(),
-        }
-    return {"raised": False, "elapsed": time.monotonic() - started}
 
 
 def _save(rank: int, world: int, uri: str, options: dict, config: dict, row: int = ROW) -> dict:

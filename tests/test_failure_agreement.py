@@ -33,7 +33,8 @@ QUICK_S = 10.0  # "within seconds": the process group's own timeout is 30 minute
 
 
 def _outcome(fn, *args, **kwargs) -> dict:
-    """Run ``fn``; describe what it raised (or returned) and how long it took."""
+    """Run ``fn``; describe what it raised (or returned), how long it took and when it
+    raised (also used by tests/test_bounded_failure.py)."""
     started = time.monotonic()
     try:
         value = fn(*args, **kwargs)
@@ -44,6 +45,7 @@ def _outcome(fn, *args, **kwargs) -> dict:
             "message": str(exc),
             "failed_ranks": sorted(getattr(exc, "failures", {})),
             "elapsed": time.monotonic() - started,
+            "raised_at": time.time(),  # wall clock, to compare across processes
         }
     return {"raised": False, "value": value, "elapsed": time.monotonic() - started}
 

@@ -182,9 +182,10 @@ def distribute_main_replicas_with_precomputed_distribution(
 class _WrappedStorageSettings:
     """The storage settings a session reads from a strategy (``fs``, ``storage_options``,
     ``config``) and ``can_handle_sharded_objects``: a wrapper's are those of the strategy
-    it wraps."""
+    it wraps; and the cached distribution, which both wrappers keep alike."""
 
     base_strategy: SaveShardedStrategy | LoadShardedStrategy
+    _cache: _DistributionCache
 
     @property
     def fs(self) -> Any:
@@ -205,6 +206,15 @@ class _WrappedStorageSettings:
     def can_handle_sharded_objects(self) -> bool:
         """As the wrapped strategy."""
         return bool(self.base_strategy.can_handle_sharded_objects)
+
+    @property
+    def cached_distribution(self) -> ShardDistribution | None:
+        """The distribution kept for the next save or load (None: nothing cached)."""
+        return self._cache.distribution
+
+    @cached_distribution.setter
+    def cached_distribution(self, distribution: ShardDistribution | None) -> None:
+        self._cache.store(distribution, None)
 
 
 class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveShardedStrategy):
@@ -233,15 +243,6 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
         self.parallelization_group = _default_group(parallelization_group)
         self.do_cache_distribution = do_cache_distribution
         self._cache = _DistributionCache()
-
-    @property
-    def cached_distribution(self) -> ShardDistribution | None:
-        """The distribution kept for the next save (None: nothing cached)."""
-        return self._cache.distribution
-
-    @cached_distribution.setter
-    def cached_distribution(self, distribution: ShardDistribution | None) -> None:
-        self._cache.store(distribution, None)
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
         """Choose which rank writes each shard and set the replica ids accordingly.
@@ -357,15 +358,6 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
         self.exchange_algo = exchange_algo
         self._cache = _DistributionCache()
         self.cached_global_metadata: Any = None  # Megatron-Core's attribute; unused here
-
-    @property
-    def cached_distribution(self) -> ShardDistribution | None:
-        """The distribution kept for the next load (None: nothing cached)."""
-        return self._cache.distribution
-
-    @cached_distribution.setter
-    def cached_distribution(self, distribution: ShardDistribution | None) -> None:
-        self._cache.store(distribution, None)
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         """As the wrapped strategy."""
