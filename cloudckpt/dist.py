@@ -24,7 +24,8 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as torch_dist
 
-from cloudckpt.dist_guard import bounded, guarded, wrap_backend_errors
+from cloudckpt import dist_guard, dist_objects
+from cloudckpt.dist_guard import await_works, bounded, wait_blocking
 from cloudckpt.errors import (
     CheckpointingException,
     CollectiveError,
@@ -38,13 +39,17 @@ __all__ = [
     "all_reduce_int",
     "barrier",
     "bounded",
+    "await_collective",
     "broadcast_object",
+    "check_in",
     "exchange_tensors",
+    "gather_object",
     "get_rank",
     "get_world_size",
     "is_distributed",
     "raise_if_any_rank_failed",
     "run_on_coordinator",
+    "scatter_object",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,7 +81,8 @@ def get_world_size(group: Any = None) -> int:
 def barrier(group: Any = None, what: str = "barrier") -> None:
     """Wait for every rank of ``group``; a no-op in a world of one."""
     if is_distributed():
-        guarded(what, lambda: torch_dist.barrier(group), group)
+        dist_guard.check_in(what, group)
+        await_works(what, [torch_dist.barrier(group, async_op=True)], group)
 
 
 def all_gather_object(obj: Any, group: Any = None, what: str = "all_gather_object") -> list[Any]:
@@ -84,9 +90,31 @@ def all_gather_object(obj: Any, group: Any = None, what: str = "all_gather_objec
     the collective in a :class:`~cloudckpt.errors.CollectiveError`."""
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * get_world_size(group)
-    guarded(what, lambda: torch_dist.all_gather_object(out, obj, group=group), group)
-    return out
+    dist_guard.check_in(what, group)
+    return dist_objects.all_gather_objects(what, obj, group)
+
+
+def gather_object(
+    obj: Any, dst: int = 0, group: Any = None, what: str = "gather_object"
+) -> list[Any] | None:
+    """Gather one picklable object from every rank on global rank ``dst``, indexed by
+    group rank; None on the other ranks."""
+    if not is_distributed():
+        return [obj]
+    dist_guard.check_in(what, group)
+    return dist_objects.gather_objects(what, obj, dst, group)
+
+
+def scatter_object(
+    objs: list[Any] | None, src: int = 0, group: Any = None, what: str = "scatter_object"
+) -> Any:
+    """Element ``i`` of global rank ``src``'s ``objs`` (one per rank of ``group``) on
+    group rank ``i``; ``objs`` is ignored on the other ranks."""
+    if not is_distributed():
+        assert objs is not None and len(objs) == 1, objs
+        return objs[0]
+    dist_guard.check_in(what, group)
+    return dist_objects.scatter_objects(what, objs, src, group)
 
 
 def broadcast_object(
@@ -95,9 +123,8 @@ def broadcast_object(
     """Return ``src``'s ``obj`` on every rank."""
     if not is_distributed():
         return obj
-    box = [obj]
-    guarded(what, lambda: torch_dist.broadcast_object_list(box, src=src, group=group), group)
-    return box[0]
+    dist_guard.check_in(what, group)
+    return dist_objects.broadcast_object(what, obj, src, group)
 
 
 def all_reduce_int(
@@ -106,9 +133,27 @@ def all_reduce_int(
     """Reduce one integer across ranks with ``op`` ("min", "max" or "sum")."""
     if not is_distributed():
         return value
-    t = torch.tensor([value], dtype=torch.int64)
-    guarded(what, lambda: torch_dist.all_reduce(t, op=_REDUCE_OPS[op], group=group), group)
+    t = torch.tensor([value], dtype=torch.int64, device=dist_objects.device_of(group))
+    dist_guard.check_in(what, group)
+    await_works(
+        what, [torch_dist.all_reduce(t, op=_REDUCE_OPS[op], group=group, async_op=True)], group
+    )
     return int(t.item())
+
+
+def check_in(what: str, group: Any = None) -> None:
+    """Wait until every rank of ``group`` arrived here (bounded: see
+    :func:`cloudckpt.dist_guard.check_in`), before a series of tensor collectives run
+    with :func:`await_collective`; a no-op in a world of one."""
+    if is_distributed():
+        dist_guard.check_in(what, group)
+
+
+def await_collective(what: str, work: Any, group: Any = None) -> None:
+    """Wait for an asynchronous tensor collective (``async_op=True``) of ``group``,
+    bounded as cloudckpt's own collectives are (:func:`cloudckpt.dist_guard.await_works`)."""
+    if is_distributed():
+        await_works(what, [work], group)
 
 
 def raise_if_any_rank_failed(error: BaseException | None, what: str, group: Any = None) -> None:
@@ -168,9 +213,7 @@ def agree(what: str, group: Any = None) -> Iterator[None]:
     raise_if_any_rank_failed(error, what, group)
 
 
-def run_on_coordinator(
-    fn: Callable[[], _T], what: str, src: int = 0, group: Any = None
-) -> _T:
+def run_on_coordinator(fn: Callable[[], _T], what: str, src: int = 0, group: Any = None) -> _T:
     """Collective: run ``fn`` on rank ``src`` only and return its result on every rank.
 
     One rank does the I/O (one listing instead of one per rank); when it fails, every
@@ -237,21 +280,12 @@ def _common_kind(errors: list[BaseException | None]) -> type[DistributedCheckpoi
     if len(kinds) != 1:
         return DistributedCheckpointError
     kind = kinds.pop()
-    if not issubclass(kind, CheckpointingException) or issubclass(
-        kind, DistributedCheckpointError
-    ):
+    if not issubclass(kind, CheckpointingException) or issubclass(kind, DistributedCheckpointError):
         return DistributedCheckpointError
     return distributed_variant(kind)
 
 
 Transfer = tuple[int, int, torch.Tensor]  # (peer rank, tag, tensor)
-
-
-def _p2p_device(group: Any = None) -> torch.device:
-    """Device point-to-point transfers must use: CUDA under NCCL, else CPU."""
-    if torch_dist.get_backend(group) == "nccl":  # pragma: no cover - needs GPUs
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def exchange_tensors(sends: list[Transfer], recvs: list[Transfer], group: Any = None) -> None:
@@ -264,7 +298,7 @@ def exchange_tensors(sends: list[Transfer], recvs: list[Transfer], group: Any = 
     """
     if not sends and not recvs:
         return
-    device = _p2p_device(group)
+    device = dist_objects.device_of(group)
     pending: list[Any] = []
     for peer, tag, tensor in sends:
         payload = tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
@@ -278,11 +312,6 @@ def exchange_tensors(sends: list[Transfer], recvs: list[Transfer], group: Any = 
         pending.append(torch_dist.irecv(buffer, peer, group=group, tag=tag))
     peers = sorted({peer for peer, _, _ in sends} | {peer for peer, _, _ in recvs})
 
-    def wait_all() -> None:
-        for work in pending:
-            if work is not None:  # None only for a rank outside ``group``
-                work.wait()
-
-    wrap_backend_errors("exchanging tensors", wait_all, group, peers)
+    wait_blocking("exchanging tensors", pending, group, peers)
     for buffer, tensor in staged:
         tensor.reshape(-1).view(torch.uint8).copy_(buffer)

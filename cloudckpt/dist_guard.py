@@ -26,10 +26,14 @@ therefore advances a counter ``cloudckpt/hb/<rank>`` in the store from a daemon
 thread (started at its first collective, ``heartbeat_timeout_s / 5`` apart; it stops
 with the process group). The first rank to check in watches the heartbeats of the
 missing ranks; one that stops for ``heartbeat_timeout_s`` (a SIGKILL, a crash, a
-SIGSTOP) fails the collective at once with a :class:`RankLostError` naming it. A rank
-that dies *inside* a backend collective makes the backend raise (gloo: "Connection
-closed by peer"); that error is wrapped into a :class:`RankLostError` naming the
-ranks whose heartbeat stopped.
+SIGSTOP) fails the collective at once with a :class:`RankLostError` naming it.
+
+Inside the backend's collective: cloudckpt runs it asynchronously and polls it
+(:func:`await_works`), watching the peers' heartbeats, so a rank that dies or freezes
+there, after it checked in, is named within ``heartbeat_timeout_s`` too, instead of
+leaving its peers blocked until the process group's timeout. A backend error there
+(gloo: "Connection closed by peer") becomes a :class:`RankLostError` naming the ranks
+whose heartbeat stopped.
 
 After a :class:`~cloudckpt.errors.CollectiveError` the process group is unusable (the
 ranks no longer agree on the next collective): end the job, as after any collective
@@ -44,7 +48,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -390,23 +394,81 @@ class _Watcher:
         return lost
 
 
+# -- waiting inside a backend collective ---------------------------------------------------
+
+
+def await_works(
+    what: str, works: Sequence[Any], group: Any = None, peers: Sequence[int] | None = None
+) -> None:
+    """Wait for the backend's asynchronous collectives ``works`` (``async_op=True``;
+    not point-to-point ones: see :func:`wait_blocking`) while watching the heartbeats
+    of ``peers`` (default: the rest of ``group``).
+
+    A peer that dies or freezes *inside* the collective, after it checked in, leaves
+    a blocking backend call waiting for the process group's own timeout (gloo's is 30
+    minutes, and gloo tells only the ranks wired to the dead one). Polling the works
+    instead bounds that wait too: a peer whose heartbeat stops for
+    ``heartbeat_timeout_s`` fails the wait with a :class:`RankLostError` naming it, and
+    ``collective_timeout_s`` bounds it in any case. The works left pending are
+    abandoned with the process group, which cannot be used after a CollectiveError.
+
+    Raises:
+        RankLostError: a peer's heartbeat stopped, or the backend failed the
+            collective (a peer's connection closed).
+        CollectiveTimeoutError: the works did not finish within ``collective_timeout_s``.
+    """
+    pending = [work for work in works if work is not None]  # None: not in ``group``
+    guard = _guard(group)
+    bounds = current_bounds()
+    others = [r for r in (peers if peers is not None else guard.ranks) if r != guard.rank]
+    watcher = _Watcher(guard.store, bounds.heartbeat_timeout_s)
+    watch = bounds.heartbeat_timeout_s > 0 and bool(others)
+    started = time.monotonic()
+    look_at = started + WAIT_SLICE_S
+    nap = _FIRST_NAP_S
+    while True:
+        try:
+            if all(work.is_completed() for work in pending):
+                for work in pending:
+                    work.wait()  # raises the backend's error, if the work failed
+                return
+        except RuntimeError as exc:
+            if isinstance(exc, CollectiveError):
+                raise
+            raise lost_in_collective(what, exc, group, peers) from exc
+        time.sleep(nap)
+        nap = min(2 * nap, _LAST_NAP_S)
+        now = time.monotonic()
+        if now < look_at:
+            continue
+        look_at = now + WAIT_SLICE_S
+        lost = watcher.stopped(others) if watch else []
+        if lost or now - started >= bounds.collective_timeout_s:
+            kind = "lost" if lost else "timeout"
+            seconds = bounds.heartbeat_timeout_s if lost else bounds.collective_timeout_s
+            verdict = {"kind": kind, "ranks": lost or others, "s": seconds}
+            verdict["waited"] = round(now - started, 1)
+            raise _verdict_error(verdict, f"{what} (inside the backend's collective)", guard.rank)
+
+
+_FIRST_NAP_S = 0.0002  # polling a work: sleeps double from here ...
+_LAST_NAP_S = 0.005  # ... to here (a collective of cloudckpt's is small: most end at once)
+
+
 # -- errors inside a backend collective ----------------------------------------------------
 
 
-def guarded(what: str, fn: Callable[[], _T], group: Any = None) -> _T:
-    """Check in (:func:`check_in`), then run the backend collective ``fn``; a backend
-    error there (a peer died inside it) becomes a :class:`RankLostError`."""
-    check_in(what, group)
-    return wrap_backend_errors(what, fn, group)
-
-
-def wrap_backend_errors(
-    what: str, fn: Callable[[], _T], group: Any = None, peers: Sequence[int] | None = None
-) -> _T:
-    """Run ``fn``; a ``RuntimeError`` of the backend becomes a :class:`RankLostError`
-    naming the ranks (of ``peers``, else of ``group``) whose heartbeat stopped."""
+def wait_blocking(
+    what: str, works: Sequence[Any], group: Any = None, peers: Sequence[int] | None = None
+) -> None:
+    """Wait for point-to-point ``works`` (``isend``/``irecv``) in the backend: gloo
+    reports them complete only from ``wait()``, so they cannot be polled. A backend
+    error (a peer's connection closed) becomes a :class:`RankLostError` naming the
+    ranks of ``peers`` whose heartbeat stopped."""
     try:
-        return fn()
+        for work in works:
+            if work is not None:  # None only for a rank outside ``group``
+                work.wait()
     except RuntimeError as exc:
         if isinstance(exc, CollectiveError) or not torch_dist.is_initialized():
             raise

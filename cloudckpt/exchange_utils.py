@@ -217,6 +217,7 @@ def exchange_loaded_tensors_gather_rounds(
         device = _comm_device(parallelization_group)
         result = dict(loaded_tensors)
         pairs = _exchanged_shards(shard_distribution)
+        dist.check_in("exchanging loaded shards", parallelization_group)
         meta = shard_distribution.shard_to_metadata
         for dtype in sorted({meta[s].dtype for s, _ in pairs}, key=str):
             by_rank: list[list[_ShardId]] = [[] for _ in range(world)]
@@ -251,7 +252,8 @@ def _gather_round(
     own = round_ids[local_rank]
     if own is not None:
         buffers[local_rank][: sizes[local_rank]].copy_(_as_bytes(result[own]))
-    torch_dist.all_gather(buffers, buffers[local_rank], group=group)
+    work = torch_dist.all_gather(buffers, buffers[local_rank], group=group, async_op=True)
+    dist.await_collective("exchanging loaded shards (all_gather round)", work, group)
     for rank, shard_id in enumerate(round_ids):
         if shard_id is not None and rank != local_rank and shard_id in needed:
             target = _receive_target(shard_id, needed)
@@ -314,6 +316,7 @@ def exchange_loaded_tensors_broadcast(
         device = _comm_device(parallelization_group)
         result = dict(loaded_tensors)
         meta = shard_distribution.shard_to_metadata
+        dist.check_in("exchanging loaded shards", parallelization_group)
         for shard_id, rank in _exchanged_shards(shard_distribution):
             if rank == local_rank:
                 payload = _as_bytes(result[shard_id]).to(device)
@@ -324,7 +327,12 @@ def exchange_loaded_tensors_broadcast(
                 if parallelization_group is None
                 else torch_dist.get_global_rank(parallelization_group, rank)
             )
-            torch_dist.broadcast(payload, src=src, group=parallelization_group)
+            work = torch_dist.broadcast(
+                payload, src=src, group=parallelization_group, async_op=True
+            )
+            dist.await_collective(
+                "exchanging loaded shards (broadcast)", work, parallelization_group
+            )
             if rank != local_rank and shard_id in unloaded_shards:
                 target = _receive_target(shard_id, unloaded_shards)
                 result[shard_id] = _fill(target, payload.to(target.device))

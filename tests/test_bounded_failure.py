@@ -39,6 +39,7 @@ from cloudckpt.dist_guard import (
     Bounds,
 )
 from cloudckpt.launch import RankPool
+from cloudckpt.strategies._dcp_dist import GuardedDistWrapper
 from tests.faultproxy import FaultProxy
 from tests.fixtures_object_stores import S3_CASES, S3Endpoint, bucket_location, server_for
 from tests.test_failure_agreement import _outcome  # the same outcome record
@@ -385,33 +386,79 @@ def test_gc_says_why_it_keeps_an_uncommitted_checkpoint_and_removes_it_with_no_g
 # -- a rank that dies inside the backend's collective ----------------------------------------
 
 
-def _die_inside_the_collective(rank: int, world: int, victim: int) -> dict:
+def _collective(rank: int, world: int, name: str) -> Any:
+    """One of the object collectives PyTorch DCP's save runs (through cloudckpt's
+    GuardedDistWrapper) or cloudckpt runs itself, by ``name``."""
+    wrapper = GuardedDistWrapper(None, 0, "the test's collective")
+    if name == "all_gather":
+        return wrapper.all_gather_object(f"rank {rank} " * rank)
+    if name == "gather":
+        return wrapper.gather_object({"rank": rank, "pad": b"x" * 100 * rank})
+    if name == "scatter":
+        return wrapper.scatter_object([f"to {r}" * r for r in range(world)] if rank == 0 else None)
+    return wrapper.broadcast_object(list(range(1000)) if rank == 0 else None)
+
+
+COLLECTIVES = ["all_gather", "gather", "scatter", "broadcast"]
+
+
+def test_the_bounded_object_collectives_deliver_what_torch_distributed_does(
+    rank_pool: RankPool,
+) -> None:
+    """Objects of different sizes on each rank arrive whole, where torch.distributed's
+    own object collectives would put them (the coordinator is rank 0)."""
+    results = {name: rank_pool.run(_collective, name) for name in COLLECTIVES}
+    assert results["all_gather"] == [[f"rank {r} " * r for r in range(WORLD)]] * WORLD
+    gathered = [{"rank": r, "pad": b"x" * 100 * r} for r in range(WORLD)]
+    assert results["gather"] == [gathered] + [None] * (WORLD - 1)
+    assert results["scatter"] == [f"to {r}" * r for r in range(WORLD)]
+    assert results["broadcast"] == [list(range(1000))] * WORLD
+
+
+def _stop_inside_the_collective(
+    rank: int, world: int, victim: int, how: str, name: str, pids: list[int]
+) -> dict:
     dist.all_gather_object(rank)  # every rank has started (imported this module)
     with dist.bounded(CheckpointConfig(heartbeat_timeout_s=1.0)):
-        if rank == victim:  # checked in, then gone before gloo's all_gather: its peers are in it
-            dist_guard.check_in("gathering the test's ranks")
+        if rank == victim:  # checked in, then gone before the backend's collective
+            dist_guard.check_in("the test's collective: " + name)
             time.sleep(0.3)
+            if how == "frozen":
+                os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 has raised
             os._exit(3)
-        return _outcome(dist.all_gather_object, rank, what="gathering the test's ranks")
+        out = _outcome(_collective, rank, world, name)
+    if rank == 0 and how == "frozen":
+        os.kill(pids[victim], signal.SIGCONT)
+    return out
 
 
 @pytest.mark.multirank
-def test_a_rank_dying_inside_a_collective_is_named_not_a_raw_gloo_error() -> None:
-    """The rank checked in, then died before the backend's collective (the one window
-    the check-in cannot cover): the peers gloo tells raise a RankLostError naming it,
-    never gloo's raw RuntimeError. (Peers that gloo's ring does not tell stay blocked
-    until the process group's own timeout.)"""
+@pytest.mark.parametrize(
+    ("how", "name"),
+    [
+        ("killed", "all_gather"),
+        ("frozen", "gather"),
+        ("frozen", "scatter"),
+        ("killed", "broadcast"),
+    ],
+)
+def test_a_rank_lost_inside_a_collective_is_named_on_every_peer(how: str, name: str) -> None:
+    """The rank checked in, then died or froze before the backend's collective (the one
+    window the check-in cannot cover): every peer raises a RankLostError naming it
+    within the heartbeat bound, never gloo's raw RuntimeError, and none stays blocked
+    until the process group's own timeout (cloudckpt polls the backend's collective
+    and watches the heartbeats meanwhile)."""
     victim = 1
-    with RankPool(WORLD, timeout_s=60) as pool:
-        outcomes = pool.run_each(_die_inside_the_collective, victim)
-    assert outcomes[victim][0] is False and "exit status 3" in outcomes[victim][1]
-    told = [out for rank, (ok, out) in enumerate(outcomes) if rank != victim and ok]
-    blocked = [out for rank, (ok, out) in enumerate(outcomes) if rank != victim and not ok]
-    shown = [round(o["elapsed"], 2) for o in told]
-    print(f"\nrank {victim} died inside gloo's all_gather: {len(told)} peers raised, {shown} s")
-    assert told and all("did not finish" in why for why in blocked), outcomes
-    for out in told:
+    with RankPool(WORLD, timeout_s=30) as pool:
+        outcomes = pool.run_each(_stop_inside_the_collective, victim, how, name, pool.pids)
+    assert outcomes[victim][0] is False and "exit status 3" in outcomes[victim][1], outcomes
+    peers = [out for rank, (ok, out) in enumerate(outcomes) if rank != victim]
+    assert all(ok for ok, _ in (o for r, o in enumerate(outcomes) if r != victim)), outcomes
+    shown = [round(o["elapsed"], 2) for o in peers]
+    print(f"\nrank {victim} {how} inside gloo's {name}: the peers raised after {shown} s")
+    for out in peers:
         assert out["raised"] and "RankLostError" in out["kinds"], out
         assert "ConnectionError" in out["kinds"] and out["failed_ranks"] == [victim], out
-        assert f"rank {victim}: process gone" in out["message"], out
+        assert f"rank {victim}: " in out["message"], out
+        assert "process gone" in out["message"] or "no heartbeat" in out["message"], out
         assert out["elapsed"] < 15.0, out

@@ -34,17 +34,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.strategies._dcp_dist import GuardedDistWrapper
 from cloudckpt.strategies.filesystem_async import FileSystemWriterAsync
 
 logger = logging.getLogger(__name__)
 
 #: What :func:`save_state_dict_async_finalize` takes: writer, global metadata (the
 #: coordinator's; None elsewhere) and the distributed wrapper of the planning.
-FinalizeArgs = tuple[FileSystemWriterAsync, Metadata | None, _DistWrapper]
+FinalizeArgs = tuple[FileSystemWriterAsync, Metadata | None, GuardedDistWrapper]
 
 
 def _compare_dataclasses(obj1: Any, obj2: Any) -> str | list[str]:
@@ -87,7 +87,7 @@ def save_state_dict_async_plan(
         False)``; pass the finalize args to :func:`save_state_dict_async_finalize`.
     """
     cached_central, local_plan, validated = cached_ckpt_structure or (None, None, False)
-    wrapper = _DistWrapper(process_group, dist.is_distributed(), coordinator_rank)
+    wrapper = GuardedDistWrapper(process_group, coordinator_rank, "torch_dist async save")
     planner = planner or DefaultSavePlanner()
     global_metadata: Metadata | None = None
 
@@ -130,7 +130,7 @@ def verify_global_md_reuse(
     loaded_all_plans: Sequence[SavePlan] | None,
     local_plan: SavePlan,
     rank: int,
-    dist_wrapper: _DistWrapper,
+    dist_wrapper: GuardedDistWrapper,
 ) -> bool:
     """True when every rank's plan equals its plan stored in a loaded checkpoint
     (``storage_data`` aside), so the stored global metadata could be reused.
@@ -156,7 +156,7 @@ def verify_global_md_reuse(
 def save_state_dict_async_finalize(
     storage_writer: FileSystemWriterAsync,
     global_metadata: Metadata | None,
-    dist_wrapper: _DistWrapper,
+    dist_wrapper: GuardedDistWrapper,
 ) -> None:
     """Gather every rank's write results; the coordinator writes ``.metadata``.
 

@@ -38,7 +38,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -57,6 +56,7 @@ from cloudckpt.mapping import (
     is_main_replica,
 )
 from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult
+from cloudckpt.strategies._dcp_dist import save_state_dict
 from cloudckpt.strategies._dcp_errors import TorchDistSaveError, save_failure
 from cloudckpt.strategies._dcp_reader import (
     ORIG_SHAPE_KEY,
@@ -191,7 +191,7 @@ def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
     with warnings.catch_warnings(), quiet_dcp_debug():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         try:
-            state_dict_saver.save(state, storage_writer=writer, planner=planner)
+            save_state_dict(state, writer, planner)
         except CheckpointException as exc:  # a BaseException: made a CheckpointingException
             raise save_failure(exc, writer.storage.uri) from exc
 
