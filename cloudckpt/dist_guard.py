@@ -190,8 +190,8 @@ def check_in(what: str, group: Any = None) -> None:
     Two rounds: arrival (which may wait long, for a slower rank), then departure (all
     ranks are awake and answer at once). A rank frozen while it waited for the others
     to arrive thus fails the departure round instead of leaving the others inside the
-    backend's collective, which has no bound of cloudckpt's; only a rank stopped in the
-    instant between the departure round and the collective is not caught.
+    backend's collective. A rank stopped after the departure round is caught by
+    :func:`await_works`, which bounds the wait inside the backend's collective.
 
     Raises:
         CollectiveTimeoutError: ranks did not check in within ``collective_timeout_s``.
