@@ -250,7 +250,7 @@ def obstore_client(base: str, options: dict[str, Any], part: int, workers: int) 
 
     bucket, prefix = _split(base)
     endpoint = _endpoint(options)
-    keys = {"access_key_id": options["key"], "secret_access_key": options["secret"]}
+    keys = {"access_key_id": options.get("key"), "secret_access_key": options.get("secret")}
     store = S3Store(  # the rest from the environment (AWS_*), as S3Store does by default
         bucket,
         prefix=prefix or None,
