@@ -154,13 +154,19 @@ class CheckpointStorage(StorageReads, StorageAdmin):
             logger.info("%s: a retried create found its own first attempt", self.child_uri(relpath))
         return ours
 
-    def write_many(self, items: Iterable[tuple[str, Buffer]]) -> builtins.list[WriteResult]:
+    def write_many(
+        self, items: Iterable[tuple[str, Buffer]], *, owned: bool = False
+    ) -> builtins.list[WriteResult]:
         """Write several objects, at most ``max_in_flight`` requests at once.
 
         Objects larger than ``part_size`` on S3 go up as multipart uploads with
         concurrent parts. Returns results in the order of ``items``. On failure,
         requests not yet started are skipped, unfinished multipart uploads are
         aborted, and the first error is raised.
+
+        ``owned``: the caller hands the buffers over and will not change them (a
+        :class:`~cloudckpt.storage.staging.StagingStorage` keeps them instead of a
+        copy); written at once here, so it changes nothing.
 
         Raises:
             StorageError: naming the object URI (and part, for multipart uploads).

@@ -8,6 +8,12 @@ bytes at once. The strategies therefore run unchanged, collectives included, in 
 caller's thread; the copy frees the caller to modify its tensors; and
 :meth:`~StagingStorage.upload` (run later, e.g. in a background thread) writes exactly
 the staged bytes, so the write results recorded for the manifest stay true.
+
+Only buffers the caller may change are copied: ``bytes`` are immutable, and a writer
+that serialized its objects into buffers of its own (the torch_dist writer's
+``torch.save`` output) hands them over with ``write_many(..., owned=True)``. Staging
+then holds the state once, and costs one serialization, not a serialization and a
+copy.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ class StagingStorage(CheckpointStorage):
     """
 
     _target: CheckpointStorage
-    _staged: builtins.list[tuple[str, bytes]]
+    _staged: builtins.list[tuple[str, memoryview]]
 
     @classmethod
     def over(cls, storage: CheckpointStorage) -> StagingStorage:
@@ -41,7 +47,7 @@ class StagingStorage(CheckpointStorage):
     @property
     def staged_bytes(self) -> int:
         """Bytes held for upload."""
-        return sum(len(data) for _, data in self._staged)
+        return sum(view.nbytes for _, view in self._staged)
 
     def write(self, relpath: str, data: Buffer, *, exclusive: bool = False) -> WriteResult:
         """Stage ``data`` (a copy); a create-only write goes to the store at once."""
@@ -49,13 +55,17 @@ class StagingStorage(CheckpointStorage):
             return self._target.write(relpath, data, exclusive=True)
         return self.write_many([(relpath, data)])[0]
 
-    def write_many(self, items: Iterable[tuple[str, Buffer]]) -> builtins.list[WriteResult]:
-        """Stage a copy of every object; results as the upload will produce them."""
+    def write_many(
+        self, items: Iterable[tuple[str, Buffer]], *, owned: bool = False
+    ) -> builtins.list[WriteResult]:
+        """Stage every object (a copy, unless ``owned`` or ``bytes``: see the module
+        docstring); results as the upload will produce them."""
         results = []
         for relpath, data in items:
-            copied = bytes(as_bytes_view(data))
-            self._staged.append((relpath, copied))
-            results.append(WriteResult(relpath, len(copied), crc32c(copied)))
+            kept = data if owned or isinstance(data, bytes) else bytes(as_bytes_view(data))
+            view = as_bytes_view(kept)
+            self._staged.append((relpath, view))
+            results.append(WriteResult(relpath, view.nbytes, crc32c(view)))
         return results
 
     def upload(self) -> builtins.list[WriteResult]:

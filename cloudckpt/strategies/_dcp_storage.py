@@ -229,7 +229,8 @@ class CloudStorageWriter(StorageWriter):
 
     def _upload(self, objects: list[_Object]) -> None:
         if objects:
-            self.results += self.storage.write_many([(o.path, o.payload()) for o in objects])
+            payloads = [(o.path, o.payload()) for o in objects]  # serialized here: ours
+            self.results += self.storage.write_many(payloads, owned=True)
 
     def finish(self, metadata: Metadata, results: list[list[DcpWriteResult]]) -> None:
         """Write ``.metadata`` as a plain DCP ``Metadata`` (a planner's subclass, such as
