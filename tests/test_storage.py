@@ -34,6 +34,7 @@ from cloudckpt.storage import (
     open_checkpoint,
     validate_relpath,
 )
+from cloudckpt.storage.staging import StagingStorage
 from cloudckpt.strategies._zarr_format import tensor_bytes
 from tests.fixtures_object_stores import STORE_CASES, bucket_location
 
@@ -464,3 +465,21 @@ def test_repr_and_child_uri(location: StoreLocation) -> None:
     storage = CheckpointStorage(uri + "/", storage_options=options)
     assert repr(storage) == f"CheckpointStorage({uri + '/'!r})"
     assert storage.child_uri("a/b") == uri + "/a/b"
+
+
+def test_staging_copies_only_buffers_the_caller_may_change(tmp_path: pathlib.Path) -> None:
+    """An async save's staging holds the state once: a caller's bytearray is copied (the
+    caller may change it after staging); immutable bytes and buffers handed over
+    (owned=True) are kept as they are; the upload writes exactly what was staged."""
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    staging = StagingStorage.over(storage)
+    mutable, handed, frozen = bytearray(b"a" * 10), bytearray(b"b" * 10), b"c" * 10
+    results = staging.write_many([("m", mutable), ("f", frozen)])
+    results += staging.write_many([("h", handed)], owned=True)
+    assert [r.size for r in results] == [10, 10, 10] and staging.staged_bytes == 30
+    mutable[:] = b"x" * 10  # the training step changes its state after staging
+    kept = {path: view for path, view in staging._staged}
+    assert kept["m"].obj is not mutable and kept["h"].obj is handed and kept["f"].obj is frozen
+    staging.upload()
+    assert storage.read("m") == b"a" * 10 and storage.read("h") == b"b" * 10
+    assert storage.read("f") == b"c" * 10 and staging.staged_bytes == 0
