@@ -39,9 +39,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 from cloudckpt.config import MiB
+from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import ReadRequest
 from cloudckpt.storage.buffers import BufferReader
 from cloudckpt.strategies._zarr_format import bytes_to_tensor
+from cloudckpt.validation import chunk_shape
 
 TENSOR_DATA_KEY = "cloudckpt_tensor_data"
 """The ``mcore_data[key]`` entry: ``{chunk offsets (tuple): (start, nbytes)}``, where
@@ -120,7 +122,10 @@ def with_records(
 
 def records_of(extra: Mapping[str, Any] | None, key: str) -> dict[tuple[int, ...], Record]:
     """The records of ``key``'s items in a checkpoint's ``mcore_data`` (``{}`` when it
-    has none, or they are not what :func:`with_records` writes)."""
+    has none, they are not what :func:`with_records` writes, or this machine is
+    big-endian: records describe little-endian elements)."""
+    if sys.byteorder != "little":
+        return {}
     entry = (extra or {}).get(key)
     table = entry.get(TENSOR_DATA_KEY) if isinstance(entry, dict) else None
     if not isinstance(table, dict):
@@ -238,10 +243,12 @@ def _piece_reads(
         return []
     whole, record = locate(piece)
     length = (whole.end or 0) - whole.start
-    usable = record is not None and record[1] == piece.numel * itemsize
-    if not usable or record is None or record[0] + record[1] > length:
-        return [PieceRead(piece, whole, first, end, True)]
-    if sum(hi - lo for lo, hi in segments) == piece.numel:
+    if (
+        record is None
+        or record[1] != piece.numel * itemsize  # not the elements the metadata describes
+        or record[0] + record[1] > length
+        or sum(hi - lo for lo, hi in segments) == piece.numel  # needed whole anyway
+    ):
         return [PieceRead(piece, whole, first, end, True)]
     base = whole.start + record[0]
     return [
@@ -288,6 +295,20 @@ def assemble(
 
 
 # -- boxes --------------------------------------------------------------------------------
+
+
+def needed_box(sh: ShardedTensor) -> Box:
+    """The box of the global tensor ``sh`` needs: its chunk, or for a flattened range
+    the rows (first dimension) of its chunk that the range touches."""
+    offsets, shape = tuple(sh.global_offset), chunk_shape(sh)
+    flat = sh.flattened_range
+    if flat is None or not shape or flat.stop <= flat.start:
+        return offsets, shape
+    row = math.prod(shape[1:])
+    if row == 0:
+        return offsets, shape
+    first, last = flat.start // row, min(-(-flat.stop // row), shape[0])
+    return (offsets[0] + first, *offsets[1:]), (last - first, *shape[1:])
 
 
 def intersection(a: Box, b: Box) -> Box | None:

@@ -48,6 +48,7 @@ from cloudckpt.strategies._dcp_ranges import (
     assemble,
     bounding,
     intersection,
+    needed_box,
     plan_reads,
     records_of,
     relative,
@@ -260,7 +261,7 @@ class DcpCheckpoint:
         return out
 
     def _plan(self, sh: ShardedTensor, sources: list[_Source]) -> list[_Source]:
-        box = _needed_box(sh)
+        box = needed_box(sh)
         return [s for s in sources if _overlap(s.box, box) is not None]
 
     def _item_size(self, index: MetadataIndex) -> int:
@@ -374,26 +375,12 @@ class DcpCheckpoint:
         }
 
 
-def _needed_box(sh: ShardedTensor) -> Box:
-    """The box of the global tensor ``sh`` needs: its chunk, or for a flattened range
-    the rows (first dimension) of its chunk that the range touches."""
-    offsets, shape = tuple(sh.global_offset), chunk_shape(sh)
-    flat = sh.flattened_range
-    if flat is None or not shape or flat.stop <= flat.start:
-        return offsets, shape
-    row = math.prod(shape[1:])
-    if row == 0:
-        return offsets, shape
-    first, last = flat.start // row, min(-(-flat.stop // row), shape[0])
-    return (offsets[0] + first, *offsets[1:]), (last - first, *shape[1:])
-
-
 def _regions(batch: list[tuple[ShardedTensor, list[_Source]]]) -> list[tuple[_Source, Box]]:
     """Each source of the batch with the box (global coordinates) covering what the
     batch's shards need of it."""
     regions: dict[_Source, Box] = {}
     for sh, sources in batch:
-        box = _needed_box(sh)
+        box = needed_box(sh)
         for source in sources:
             needed = intersection(source.box, box)
             if needed is not None:
