@@ -2,7 +2,8 @@
 items 2 and 7): a TP2-saved tensor loaded as TP4 reads each quarter, not each half.
 
 * The pieces: where ``torch.save`` puts a tensor's elements (:func:`storage_record`),
-  the C-order runs of a box and their widening over small gaps.
+  the C-order runs of a box and their widening over small gaps; the storage layer's
+  counters of reads and bytes read.
 * The format stays PyTorch DCP's: ``.metadata`` holds plain ``_StorageInfo`` entries,
   the records live in ``mcore_data``, and stock ``dcp.load`` reads the checkpoint.
 * TP2 -> TP4 along dim 0 (float32, bfloat16), along dim 1 (long rows: two ranges;
@@ -184,6 +185,18 @@ def test_read_box_widens_over_small_gaps_only() -> None:
     assert read_box(shape, box, 4, gap=2048) == box  # gaps of exactly 2 KiB stay
     assert read_box(shape, ((1, 2, 0), (1, 1, 512)), 4, gap=MiB) == ((1, 2, 0), (1, 1, 512))
     assert read_box(shape, box, 4, gap=MiB) == ((1, 0, 0), (2, 8, 1024))  # whole planes
+
+
+def test_read_counters_count_reads_and_bytes(tmp_path: Any) -> None:
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    storage.write("obj", bytes(range(256)) * 4096)  # 1 MiB
+    before, local = process_stats(), storage.transport.counters.snapshot()
+    assert len(storage.read("obj")) == MiB
+    assert len(storage.read("obj", 10, 1010)) == 1000
+    buffer = bytearray(4096)
+    storage.read_into("obj", buffer, 5000)
+    for stats in (process_stats() - before, storage.transport.counters.snapshot() - local):
+        assert (stats.reads, stats.bytes_read) == (3, MiB + 1000 + 4096)
 
 
 # -- the format --------------------------------------------------------------------------
