@@ -99,7 +99,7 @@ class StorageReads(StorageHandle):
                 return b""
             raise self.expected.not_found(relpath)
         try:
-            return self.transport.fetch(path, start, end, store_checked=store_checked)
+            data = self.transport.fetch(path, start, end, store_checked=store_checked)
         except FileNotFoundError as exc:
             raise self.expected.not_found(relpath) from exc
         except StoreChecksumError as exc:
@@ -110,6 +110,14 @@ class StorageReads(StorageHandle):
             if start and end is None and 0 <= self._size(path) <= start:
                 return b""  # reading from the end: S3 answers 416 where files give b""
             raise translate(exc, f"failed to read {self.child_uri(relpath)}: {exc}") from exc
+        self._count_read(len(data))
+        return data
+
+    def _count_read(self, nbytes: int) -> None:
+        """Count one read of ``nbytes`` in the process's and this location's counters."""
+        for counters in (self.pool.counters, self.transport.counters):
+            counters.add("reads")
+            counters.add("bytes_read", nbytes)
 
     def _size(self, path: str) -> int:
         try:
@@ -208,6 +216,7 @@ class StorageReads(StorageHandle):
             raise self.expected.not_found(relpath) from exc
         except io_errors() as exc:
             raise translate(exc, f"failed to read {self.child_uri(relpath)}: {exc}") from exc
+        self._count_read(got)
         self.expected.check_length(relpath, start, out.nbytes, got)
         progress.add(got)
 

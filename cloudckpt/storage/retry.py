@@ -84,6 +84,9 @@ class RequestStats:
 
     ``retries`` is the number of extra attempts; ``throttled`` ... ``connection_errors``
     count failed attempts by kind; ``gave_up`` counts requests that failed for good.
+    ``requests`` and those count the requests cloudckpt retries itself (S3); ``reads``
+    and ``bytes_read`` count the reads of object bytes (whole or ranged GETs, on every
+    kind of store) and the bytes they returned.
     """
 
     requests: int = 0
@@ -93,6 +96,8 @@ class RequestStats:
     timeouts: int = 0
     connection_errors: int = 0
     gave_up: int = 0
+    reads: int = 0
+    bytes_read: int = 0
 
     def __add__(self, other: RequestStats) -> RequestStats:
         return RequestStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

@@ -1,11 +1,15 @@
 """Loading ShardedTensors and ShardedObjects out of a DCP checkpoint, with resharding.
 
 A requested shard is a box of the global tensor. The reader picks the stored DCP
-chunks overlapping it, fetches just those items (one ranged read each, concurrently,
-through :mod:`cloudckpt.storage`), decodes them and copies the overlaps. Tensors
-stored in the N-D flattened layout (see :mod:`cloudckpt.strategies.checkpointable`)
-are first reassembled into the grid chunks they were cut from. Requests are handled
-in batches of bounded size, so peak memory stays near one batch.
+chunks overlapping it and reads, of each, the region the batch's shards overlap:
+where cloudckpt recorded where an item's elements lie, only the byte ranges of that
+region (:mod:`cloudckpt.strategies._dcp_ranges`), else the whole item (one ranged
+read of the ``.distcp`` object, decoded); all concurrently, through
+:mod:`cloudckpt.storage`. It then copies the overlaps. Tensors stored in the N-D
+flattened layout (see :mod:`cloudckpt.strategies.checkpointable`) are reassembled
+into the grid chunks they were cut from (of a chunk, only the pieces the region
+needs are read). Requests are handled in batches of bounded size, so peak memory
+stays near one batch.
 """
 
 from __future__ import annotations
@@ -34,6 +38,21 @@ from cloudckpt.errors import (
 )
 from cloudckpt.mapping import ShardedObject, ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
+from cloudckpt.strategies._dcp_ranges import (
+    Box,
+    Piece,
+    PieceRead,
+    Record,
+    RegionPlan,
+    absolute,
+    assemble,
+    bounding,
+    intersection,
+    needed_box,
+    plan_reads,
+    records_of,
+    relative,
+)
 from cloudckpt.strategies._dcp_storage import (
     item_request,
     load_object_item,
@@ -53,9 +72,6 @@ def is_common_state_item(key: str) -> bool:
     """Megatron-Core 0.19 keeps the common state as the object ``common_state``
     (item ``common_state/shard_0_1``); older drafts used a bare ``common_state``."""
     return key == COMMON_STATE_ITEM or key.startswith(COMMON_STATE_ITEM + "/")
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
 class TorchDistKeyNotFoundError(CheckpointKeyNotFoundError, CheckpointException):
@@ -98,11 +114,12 @@ class TorchDistKeyNotFoundError(CheckpointKeyNotFoundError, CheckpointException)
 
 @dataclass(frozen=True)
 class _Source:
-    """A box of the global tensor made of stored items (one, or a flattened chunk's pieces)."""
+    """A box of the global tensor made of stored items (one, or a flattened chunk's
+    pieces: flat ranges of the box's C-order elements)."""
 
+    key: str
     box: Box
-    items: tuple[tuple[MetadataIndex, int], ...]  # (index, flat start) of each piece
-    flat: bool  # pieces are flat ranges of the box's C-order elements
+    items: tuple[Piece, ...]
 
 
 def _overlap(a: Box, b: Box) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
@@ -142,6 +159,7 @@ class DcpCheckpoint:
         self.metadata: Metadata = (
             metadata if metadata is not None else read_metadata(storage, weights_only)
         )
+        self._record_cache: dict[str, dict[tuple[int, ...], Record]] = {}
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -198,7 +216,9 @@ class DcpCheckpoint:
         if orig is None:
             return [
                 _Source(
-                    (tuple(c.offsets), tuple(c.sizes)), ((MetadataIndex(key, c.offsets), 0),), False
+                    key,
+                    (tuple(c.offsets), tuple(c.sizes)),
+                    (Piece(MetadataIndex(key, c.offsets), 0, math.prod(c.sizes)),),
                 )
                 for c in md.chunks
             ]
@@ -219,12 +239,12 @@ class DcpCheckpoint:
             raise CheckpointingException(
                 f"{self._where(key)}: chunks of {numel} elements cannot have shape {local}"
             )
-        pieces: dict[tuple[int, ...], list[tuple[MetadataIndex, int]]] = {}
+        pieces: dict[tuple[int, ...], list[Piece]] = {}
         for c in md.chunks:
-            index = tuple(c.offsets[:-1])
-            pieces.setdefault(index, []).append((MetadataIndex(key, c.offsets), c.offsets[-1]))
+            piece = Piece(MetadataIndex(key, c.offsets), c.offsets[-1], c.sizes[-1])
+            pieces.setdefault(tuple(c.offsets[:-1]), []).append(piece)
         origin = {i: tuple(a * n for a, n in zip(i, local, strict=True)) for i in pieces}
-        return [_Source((origin[i], local), tuple(p), True) for i, p in pieces.items()]
+        return [_Source(key, (origin[i], local), tuple(p)) for i, p in pieces.items()]
 
     def load_tensors(self, tensors: Sequence[ShardedTensor]) -> dict[int, torch.Tensor]:
         """Load every requested tensor; returns ``{id(sharded_tensor): tensor}``."""
@@ -241,7 +261,7 @@ class DcpCheckpoint:
         return out
 
     def _plan(self, sh: ShardedTensor, sources: list[_Source]) -> list[_Source]:
-        box = (tuple(sh.global_offset), chunk_shape(sh))
+        box = needed_box(sh)
         return [s for s in sources if _overlap(s.box, box) is not None]
 
     def _item_size(self, index: MetadataIndex) -> int:
@@ -254,7 +274,7 @@ class DcpCheckpoint:
         batch: list[tuple[ShardedTensor, list[_Source]]] = []
         size = 0
         for sh, sources in plans:
-            nbytes = sum(self._item_size(i) for s in sources for i, _ in s.items)
+            nbytes = sum(self._item_size(p.index) for s in sources for p in s.items)
             if batch and size + nbytes > self.batch_bytes:
                 yield batch
                 batch, size = [], 0
@@ -266,18 +286,18 @@ class DcpCheckpoint:
     def _load_batch(
         self, batch: list[tuple[ShardedTensor, list[_Source]]]
     ) -> dict[int, torch.Tensor]:
-        indices = {i for _, sources in batch for s in sources for i, _ in s.items}
-        requests = {i: item_request(self.storage, self.metadata, i) for i in indices}
-        unique = sorted(set(requests.values()), key=lambda r: (r.path, r.start))
+        plans = {source: self._region_plan(source, box) for source, box in _regions(batch)}
+        requests = {r.request for plan in plans.values() for r in plan.reads}
+        unique = sorted(requests, key=lambda r: (r.path, r.start))
         fetched = dict(zip(unique, self.storage.read_many(unique), strict=True))
-        decoded: dict[Any, torch.Tensor] = {}
+        regions: dict[_Source, tuple[Box, torch.Tensor]] = {}
         out = {}
         for sh, sources in batch:
             box = torch.zeros(chunk_shape(sh), dtype=sh.dtype)  # zeros pad a shape mismatch
             for source in sources:
-                if source not in decoded:
-                    decoded[source] = self._decode(source, requests, fetched)
-                _copy_overlap(box, (tuple(sh.global_offset), chunk_shape(sh)), source, decoded)
+                if source not in regions:
+                    regions[source] = self._region(source, plans[source], fetched)
+                _copy_overlap(box, (tuple(sh.global_offset), chunk_shape(sh)), *regions[source])
             result = box.reshape(tuple(sh.local_shape))
             if sh.flattened_range is not None:
                 result = result.reshape(-1)[sh.flattened_range].clone()
@@ -286,25 +306,45 @@ class DcpCheckpoint:
             out[id(sh)] = result
         return out
 
-    def _decode(
-        self,
-        source: _Source,
-        requests: dict[MetadataIndex, ReadRequest],
-        fetched: dict[ReadRequest, bytes],
-    ) -> torch.Tensor:
-        """The source's box as one tensor."""
-        parts = []
-        for index, start in source.items:
-            request = requests[index]
-            where = f"{self.storage.child_uri(request.path)} (item {index.fqn!r})"
-            parts.append((start, load_tensor_item(fetched[request], where)))
-        if not source.flat:
-            return parts[0][1].reshape(source.box[1])
-        sample = parts[0][1]
-        flat = torch.zeros(math.prod(source.box[1]), dtype=sample.dtype)
-        for start, part in parts:
-            flat[start : start + part.numel()] = part.reshape(-1)
-        return flat.reshape(source.box[1])
+    def _region_plan(self, source: _Source, needed: Box) -> RegionPlan:
+        """The reads of the part of ``source`` covering ``needed`` (global coordinates)."""
+        dtype = self.tensor_metadata(source.key).properties.dtype
+        records = self._records(source.key)
+
+        def locate(piece: Piece) -> tuple[ReadRequest, Record | None]:
+            request = item_request(self.storage, self.metadata, piece.index)
+            return request, records.get(tuple(piece.index.offset or ()))
+
+        rel = relative(needed, source.box[0])
+        return plan_reads(source.box[1], rel, source.items, dtype.itemsize, locate)
+
+    def _records(self, key: str) -> dict[tuple[int, ...], Record]:
+        """Where the elements of ``key``'s items lie within them, by chunk offsets;
+        none when objects are read whole anyway (``verify_checksums``)."""
+        if self.storage.verify_checksums:
+            return {}
+        if key not in self._record_cache:
+            extra = getattr(self.metadata, "mcore_data", None)
+            self._record_cache[key] = records_of(extra, key)
+        return self._record_cache[key]
+
+    def _region(
+        self, source: _Source, plan: RegionPlan, fetched: dict[ReadRequest, bytes]
+    ) -> tuple[Box, torch.Tensor]:
+        """The planned region of ``source``: its global box and its tensor."""
+        dtype = self.tensor_metadata(source.key).properties.dtype
+
+        def decode(read: PieceRead, raw: bytes) -> torch.Tensor:
+            where = f"{self.storage.child_uri(read.request.path)} (item {read.piece.index.fqn!r})"
+            tensor = load_tensor_item(raw, where)
+            if tensor.numel() != read.piece.numel:
+                raise CheckpointingException(
+                    f"{where}: the item holds {tensor.numel()} elements, the metadata says "
+                    f"{read.piece.numel}"
+                )
+            return tensor
+
+        return absolute(plan.box, source.box[0]), assemble(plan, dtype, fetched, decode)
 
     # -- objects ----------------------------------------------------------------------
 
@@ -335,10 +375,22 @@ class DcpCheckpoint:
         }
 
 
-def _copy_overlap(
-    out: torch.Tensor, out_box: Box, source: _Source, decoded: dict[Any, torch.Tensor]
-) -> None:
-    overlap = _overlap(source.box, out_box)
+def _regions(batch: list[tuple[ShardedTensor, list[_Source]]]) -> list[tuple[_Source, Box]]:
+    """Each source of the batch with the box (global coordinates) covering what the
+    batch's shards need of it."""
+    regions: dict[_Source, Box] = {}
+    for sh, sources in batch:
+        box = needed_box(sh)
+        for source in sources:
+            needed = intersection(source.box, box)
+            if needed is not None:
+                known = regions.get(source)
+                regions[source] = needed if known is None else bounding(known, needed)
+    return list(regions.items())
+
+
+def _copy_overlap(out: torch.Tensor, out_box: Box, region: Box, tensor: torch.Tensor) -> None:
+    overlap = _overlap(region, out_box)
     if overlap is not None:
-        in_source, in_out = overlap
-        out[in_out] = decoded[source][in_source]
+        in_region, in_out = overlap
+        out[in_out] = tensor[in_region]

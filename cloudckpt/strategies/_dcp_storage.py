@@ -4,7 +4,10 @@ The files are those of DCP's ``FileSystemWriter``: ``.metadata`` (the pickled
 :class:`~torch.distributed.checkpoint.metadata.Metadata`) and ``__<rank>_<i>.distcp``
 data objects, each a concatenation of items - tensors as ``torch.save`` bytes, other
 values as the bytes the planner produced - whose offsets and lengths ``.metadata``
-records. So DCP's own ``FileSystemReader`` reads what this writer wrote.
+records. So DCP's own ``FileSystemReader`` reads what this writer wrote. Where each
+tensor item's elements lie within its ``torch.save`` bytes is recorded too, in
+``mcore_data`` (:mod:`cloudckpt.strategies._dcp_ranges`), so that a resharded load can
+read just the part of an item it needs.
 
 Memory stays bounded: ``torch.save`` copies each tensor once into host memory (into
 the buffer of the object being assembled), so items are packed into objects of about
@@ -55,6 +58,12 @@ from cloudckpt.errors import (
 )
 from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
+from cloudckpt.strategies._dcp_ranges import (
+    RecordedStorageInfo,
+    plain_info,
+    storage_record,
+    with_records,
+)
 from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
 
 METADATA_FNAME = ".metadata"
@@ -94,16 +103,21 @@ class _Object:
     def size(self) -> int:
         return self.buffer.tell()
 
-    def append(self, data: torch.Tensor | io.BytesIO | Any) -> tuple[int, int]:
-        """Append one resolved write item; returns its (offset, length)."""
+    def append(self, data: torch.Tensor | io.BytesIO | Any) -> RecordedStorageInfo:
+        """Append one resolved write item; returns where it lies in the object (and,
+        for a tensor, where its elements lie within the item: see
+        :mod:`cloudckpt.strategies._dcp_ranges`)."""
         offset = self.size
+        record = None
         if isinstance(data, torch.Tensor):
             torch.save(to_host(data), self.buffer)
+            with self.buffer.getbuffer() as whole, whole[offset : self.size] as item:
+                record = storage_record(item)
         elif isinstance(data, io.BytesIO):
             self.buffer.write(data.getbuffer())
         else:
             raise CheckpointingException(f"cannot store a {type(data).__name__} as a DCP item")
-        return offset, self.size - offset
+        return RecordedStorageInfo(self.path, offset, self.size - offset, record=record)
 
     def payload(self) -> memoryview:
         return self.buffer.getbuffer()[: self.size]
@@ -212,9 +226,8 @@ class CloudStorageWriter(StorageWriter):
             if obj is None:
                 obj = _Object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"))
                 count += 1
-            offset, length = obj.append(data)
-            info = _StorageInfo(obj.path, offset, length)
-            results.append(DcpWriteResult(item.index, length, info))
+            info = obj.append(data)
+            results.append(DcpWriteResult(item.index, info.length, info))
         if obj is not None:
             yield obj, results
 
@@ -235,12 +248,17 @@ class CloudStorageWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[DcpWriteResult]]) -> None:
         """Write ``.metadata`` as a plain DCP ``Metadata`` (a planner's subclass, such as
         :class:`MCoreMetadata`, is unwrapped: no cloudckpt class is pickled into a
-        checkpoint that other readers must unpickle) with the merged ``mcore_data``."""
+        checkpoint that other readers must unpickle) with the merged ``mcore_data``,
+        which also records where each tensor item's elements lie within the item
+        (:func:`~cloudckpt.strategies._dcp_ranges.with_records`)."""
         extra = {**(getattr(metadata, "mcore_data", None) or {}), **self.mcore_data}
         if type(metadata) is not Metadata:
             metadata = Metadata(**{f.name: getattr(metadata, f.name) for f in fields(Metadata)})
         metadata.version = DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+        metadata.storage_data = {
+            wr.index: plain_info(wr.storage_data) for rank in results for wr in rank
+        }
+        extra = with_records(extra, results)
         metadata.storage_meta = self.storage_meta()
         if extra:
             metadata.mcore_data = extra  # type: ignore[attr-defined]
