@@ -291,11 +291,11 @@ def test_writer_uploads_in_bounded_batches(tmp_path):
     batches: list[list[int]] = []
     upload = storage.write_many
 
-    def spy(items):
+    def spy(items, **kwargs):
         items = list(items)
         if any(path.endswith(".distcp") for path, _ in items):
             batches.append([memoryview(data).nbytes for _, data in items])
-        return upload(items)
+        return upload(items, **kwargs)
 
     storage.write_many = spy  # type: ignore[method-assign]
     writer = CloudStorageWriter(storage, object_size=1500, batch_bytes=3000)
