@@ -391,6 +391,39 @@ def test_a_flipped_byte_in_a_needed_range_fails_the_load(tmp_path: Any) -> None:
         cloudckpt.load({"w": whole}, uri, validate_access_integrity=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_unresharded_load_reads_the_elements_straight_into_the_tensor(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """Each rank needs exactly a stored item (the same TP2 layout): its elements are read
+    straight into the new tensor, without torch.load (which would copy them and check
+    torch's own CRC-32 again) - exact, and a flipped byte still fails the load."""
+    uri = str(tmp_path / "ckpt")
+    shape = (1024, 1024)  # items of 2 or 4 MiB
+    _save_tp2(uri, {"w": (shape, 0, dtype)})
+    full = reference("w", shape, dtype)
+    checkpoint = _checkpoint(uri)
+
+    def no_torch_load(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the item was decoded with torch.load")
+
+    monkeypatch.setattr("cloudckpt.strategies._dcp_reader.load_tensor_item", no_torch_load)
+    half = full.numel() * full.element_size() // 2
+    for rank, sh in enumerate(_shards("w", shape, 0, 2, dtype, empty=True)):
+        loaded, stats = _load_one(checkpoint, sh)
+        assert loaded.dtype == dtype and torch.equal(loaded, full.chunk(2)[rank])
+        assert half <= stats.bytes_read <= half + 2 * BLOCK  # the elements, no zip records
+    info = checkpoint.metadata.storage_data[MetadataIndex("w", (512, 0))]  # type: ignore[index]
+    start, _ = checkpoint.metadata.mcore_data["w"][TENSOR_DATA_KEY][(512, 0)]  # type: ignore[attr-defined]
+    with open(tmp_path / "ckpt" / info.relative_path, "r+b") as f:
+        f.seek(info.offset + start + half // 3)
+        byte = f.read(1)
+        f.seek(info.offset + start + half // 3)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CorruptObjectError, match=rf"{info.relative_path}.*CRC-32C"):
+        _load_one(checkpoint, _shards("w", shape, 0, 2, dtype, empty=True)[1])
+
+
 # -- every kind of store -------------------------------------------------------------------
 
 

@@ -17,7 +17,9 @@ CRCs, no block), its C-order runs (:func:`element_runs`) become byte ranges of t
 (:func:`plan_reads`), and the ranges' bytes are copied into the region
 (:func:`assemble`). Every range goes through the storage layer's checked reads (block
 CRC-32Cs). Items without a record - written by PyTorch DCP or Megatron-Core, or on a
-big-endian machine - and items needed whole are read whole, as before.
+big-endian machine - and items needed whole are read whole, as before (except an item
+that is exactly one shard's chunk: the reader reads its recorded elements straight into
+the shard's tensor).
 """
 
 from __future__ import annotations
