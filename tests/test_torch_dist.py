@@ -8,6 +8,7 @@ import os
 import warnings
 import zlib
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -16,7 +17,12 @@ import torch.distributed.checkpoint as dcp
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.checker import verify
-from cloudckpt.errors import CheckpointKeyNotFoundError, UnexpectedKeysError
+from cloudckpt.errors import (
+    CheckpointingException,
+    CheckpointKeyNotFoundError,
+    StorageError,
+    UnexpectedKeysError,
+)
 from cloudckpt.manifest import Manifest
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies._dcp_storage import ITEM_OVERHEAD, CloudStorageReader, CloudStorageWriter
@@ -24,6 +30,7 @@ from cloudckpt.strategies.base import get_default_strategy
 from cloudckpt.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
+    _PackedObjectsSavePlanner,
     dcp_save,
 )
 
@@ -310,6 +317,38 @@ def test_writer_uploads_in_bounded_batches(tmp_path):
         warnings.simplefilter("ignore")
         dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
     assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_a_batch_failing_in_the_background_stops_the_writer(tmp_path):
+    """Batches upload in the background while the next is serialized: the first
+    batch's failure stops the writer at the next batch (nothing more is serialized
+    than the batch in hand) and fails the save with that error."""
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    uploaded: list[int] = []
+    serialized: list[str] = []
+    upload = storage.write_many
+
+    def failing(items, **kwargs):
+        items = list(items)
+        if any(path.endswith(".distcp") for path, _ in items):
+            uploaded.append(len(items))
+            raise StorageError("the store refused the batch")
+        return upload(items, **kwargs)
+
+    storage.write_many = failing  # type: ignore[method-assign]
+    writer = CloudStorageWriter(storage, object_size=1500, batch_bytes=3000)
+    resolve = _PackedObjectsSavePlanner.resolve_data
+
+    def spying(planner, item):
+        serialized.append(item.index.fqn)
+        return resolve(planner, item)
+
+    state = {f"t{i}": torch.full((256,), float(i)) for i in range(8)}
+    refused = pytest.raises(CheckpointingException, match="the store refused the batch")
+    with patch.object(_PackedObjectsSavePlanner, "resolve_data", spying), refused:
+        dcp_save(state, writer)
+    assert uploaded == [1]  # the first half batch (one ~2.2 kB object) only
+    assert len(serialized) <= 3, serialized  # it, the next batch, and no more
 
 
 def test_remove_sharded_tensors_keeps_the_manifest_consistent(location):

@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import pickle
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, replace
+from concurrent.futures import Future as TaskFuture
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import IO, Any, cast
 
 import torch
@@ -93,12 +97,27 @@ def _estimated_size(data: torch.Tensor | io.BytesIO) -> int:
     return data.getbuffer().nbytes
 
 
+def _planned_size(item: WriteItem) -> int:
+    """The bytes a tensor item will take in its object, from the plan (a bytes item's
+    size is known only once it is serialized: 0)."""
+    if item.tensor_data is None:
+        return 0
+    return (
+        math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+        + ITEM_OVERHEAD
+    )
+
+
 @dataclass
 class _Object:
     """One ``.distcp`` object being assembled: items appended to one buffer."""
 
     path: str
-    buffer: AppendBuffer = field(default_factory=AppendBuffer)
+    capacity: InitVar[int] = 0
+    buffer: AppendBuffer = field(init=False)
+
+    def __post_init__(self, capacity: int) -> None:
+        self.buffer = AppendBuffer(capacity)
 
     @property
     def size(self) -> int:
@@ -191,15 +210,28 @@ class CloudStorageWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[DcpWriteResult]]:
+        """Serialize this rank's items into objects and upload them, a batch uploading
+        in the background while the next is serialized (two half batches: at most
+        about ``batch_bytes`` held)."""
         prefix: _StoragePrefix = plan.storage_data
         out: list[DcpWriteResult] = []
         pending: list[_Object] = []
-        for obj, items in self._objects(prefix.prefix, plan.items, planner):
-            out += items
-            pending.append(obj)
-            if sum(o.size for o in pending) >= self.batch_bytes:
-                self._upload(pending)
-                pending = []
+        with ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-dcp-upload") as uploader:
+            uploading: TaskFuture[None] | None = None
+            try:
+                for obj, items in self._objects(prefix.prefix, plan.items, planner):
+                    out += items
+                    pending.append(obj)
+                    if sum(o.size for o in pending) >= self.batch_bytes // 2:
+                        if uploading is not None:
+                            uploading.result()  # its error stops the save here
+                        uploading = uploader.submit(self._upload, pending)
+                        pending = []
+                if uploading is not None:
+                    uploading.result()
+            finally:
+                if uploading is not None:  # never left running: it holds the objects
+                    wait_all([uploading])
         self._upload(pending)
         future: Future[list[DcpWriteResult]] = Future()
         future.set_result(out)
@@ -216,9 +248,11 @@ class CloudStorageWriter(StorageWriter):
         hint = self.separation_hint
         grouped = sorted(items, key=lambda it: bool(hint) and it.index.fqn.startswith(hint or ""))
         group = False
+        remaining = sum(_planned_size(item) for item in grouped)  # sizes the objects
         for item in grouped:
             data = planner.resolve_data(item)
             estimate = _estimated_size(data)
+            remaining -= _planned_size(item)
             separated = bool(hint) and item.index.fqn.startswith(hint or "")
             full = obj is not None and obj.size and obj.size + estimate > self.object_size
             if obj is not None and (full or separated != group):
@@ -226,7 +260,8 @@ class CloudStorageWriter(StorageWriter):
                 obj, results = None, []
             group = separated
             if obj is None:
-                obj = _Object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"))
+                capacity = max(estimate, min(self.object_size, estimate + remaining))
+                obj = _Object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"), capacity)
                 count += 1
             info = obj.append(data)
             results.append(DcpWriteResult(item.index, info.length, info))
