@@ -3,7 +3,7 @@
 A tensor item of a DCP checkpoint is ``torch.save`` bytes: a zip archive whose one
 storage record (``<archive>/data/0``) holds the tensor's elements uncompressed, in C
 order (cloudckpt saves contiguous tensors that own exactly their storage, see
-:func:`~cloudckpt.strategies._dcp_storage.to_host`). When cloudckpt writes an item it
+:func:`~cloudckpt.strategies._host_copies.to_host`). When cloudckpt writes an item it
 finds where that record's bytes lie within the item (:func:`storage_record`), and the
 coordinator keeps these records per key in ``Metadata.mcore_data[key]`` under
 :data:`TENSOR_DATA_KEY` (:func:`with_records`): ``{chunk offsets: (start, nbytes)}``.

@@ -70,6 +70,7 @@ from cloudckpt.strategies._dcp_ranges import (
     with_records,
 )
 from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
+from cloudckpt.strategies._host_copies import HOST_COPIES
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -77,18 +78,6 @@ DCP_VERSION = "1.0.0"
 DEFAULT_OBJECT_SIZE = 256 * 1024 * 1024
 DEFAULT_BATCH_BYTES = 512 * 1024 * 1024
 ITEM_OVERHEAD = 2048  # torch.save's zip records around a tensor's bytes: 1.55-1.58 KB (torch 2.13)
-
-
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor owning exactly its elements (``torch.save`` writes whole storages)."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        return tensor.to("cpu").contiguous()
-    nbytes = tensor.numel() * tensor.element_size()
-    owns = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
-    if owns and tensor.is_contiguous():
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _estimated_size(data: torch.Tensor | io.BytesIO) -> int:
@@ -131,7 +120,8 @@ class _Object:
         record = None
         if isinstance(data, torch.Tensor):
             self.buffer.reserve(_estimated_size(data))  # torch.save writes in one pass
-            torch.save(to_host(data), cast(IO[bytes], self.buffer))  # it only writes
+            with HOST_COPIES.host(data) as host:  # it only writes:
+                torch.save(host, cast(IO[bytes], self.buffer))
             with self.buffer.view(offset, self.size) as item:
                 record = storage_record(item)
         elif isinstance(data, io.BytesIO):
