@@ -1,0 +1,175 @@
+"""The raw limit: the checkpoint's bytes through the best plain client, no cloudckpt.
+
+Each rank moves its share of the bytes (:func:`cloudckpt.bench.workload.rank_share`):
+
+* object stores (S3): one object per rank, uploaded as a multipart upload whose parts
+  go up concurrently and read back as concurrent ranged GETs, by boto3's transfer
+  manager with :data:`S3_SETTINGS` (many threads, a connection pool to match), and by
+  boto3's CRT transfer client when ``awscrt`` is importable (optional, never required);
+* local directories: one file per rank written with ``write()`` and read back with
+  ``readinto()`` into preallocated memory, and a ``torch.save`` / ``torch.load`` of the
+  rank's tensors.
+
+These baselines talk to the store on purpose without cloudckpt's storage layer: they
+are what cloudckpt is measured against. Only ``cloudckpt bench`` uses this module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from cloudckpt.storage import MissingDependencyError
+
+
+@dataclass(frozen=True)
+class S3Setting:
+    """One configuration of the raw S3 client."""
+
+    name: str
+    max_concurrency: int
+    max_pool_connections: int
+    crt: bool = False
+
+
+S3_SETTINGS: tuple[S3Setting, ...] = (
+    S3Setting("boto3 x16", 16, 32),
+    S3Setting("boto3 x64", 64, 128),
+)
+CRT_SETTING = S3Setting("boto3 crt", 64, 128, crt=True)
+
+
+def crt_available() -> bool:
+    """Whether boto3's CRT transfer client can be used (``awscrt`` importable)."""
+    return importlib.util.find_spec("awscrt") is not None
+
+
+def require_boto3() -> None:
+    """Raise :class:`MissingDependencyError` unless boto3 is installed."""
+    if importlib.util.find_spec("boto3") is None:
+        raise MissingDependencyError(
+            "cloudckpt bench on S3 needs boto3 for its raw baseline: "
+            "pip install 'cloudckpt[bench]'",
+            "bench",
+        )
+
+
+def s3_settings() -> tuple[S3Setting, ...]:
+    """The settings measured: :data:`S3_SETTINGS`, plus the CRT one when available."""
+    return S3_SETTINGS + ((CRT_SETTING,) if crt_available() else ())
+
+
+def payload_of(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """The tensors' bytes, concatenated (one copy, made before any timing)."""
+    return b"".join(_bytes_of(t) for t in tensors.values())
+
+
+def _bytes_of(tensor: torch.Tensor) -> bytes:
+    flat = tensor.contiguous().view(-1).view(torch.uint8)
+    return flat.numpy().tobytes()
+
+
+# -- local directories ---------------------------------------------------------------------
+
+
+def local_path(uri: str) -> Path:
+    """The directory of a local URI (a path or ``file://``)."""
+    return Path(urlparse(uri).path if uri.startswith("file://") else uri)
+
+
+def write_file(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to a new file with plain ``write()`` calls."""
+    with open(path, "wb", buffering=0) as out:
+        view = memoryview(payload)
+        while view:
+            view = view[out.write(view) :]
+
+
+def read_file(path: Path, into: bytearray) -> int:
+    """Read a file into ``into`` (preallocated, its size) with ``readinto``."""
+    done = 0
+    view = memoryview(into)
+    with open(path, "rb", buffering=0) as source:
+        while done < len(into):
+            got = source.readinto(view[done:])
+            if not got:
+                break
+            done += got
+    return done
+
+
+def torch_save(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """``torch.save`` the rank's tensors to one file."""
+    torch.save(dict(tensors), path)
+
+
+def torch_load(path: Path) -> int:
+    """``torch.load`` a file written by :func:`torch_save`; returns the bytes loaded."""
+    loaded = torch.load(path, weights_only=True)
+    return sum(t.numel() * t.element_size() for t in loaded.values())
+
+
+# -- S3 ------------------------------------------------------------------------------------
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """``(bucket, key prefix)`` of an ``s3://`` URI."""
+    parsed = urlparse(uri)
+    return parsed.netloc, parsed.path.strip("/")
+
+
+def s3_client(storage_options: Mapping[str, Any], setting: S3Setting) -> Any:
+    """A boto3 S3 client from cloudckpt's (s3fs-style) storage options; endpoint and
+    credentials otherwise come from the environment, as for cloudckpt."""
+    import boto3  # type: ignore[import-untyped]  # noqa: PLC0415
+    from botocore.config import Config  # type: ignore[import-untyped]  # noqa: PLC0415
+
+    client_kwargs = dict(storage_options.get("client_kwargs", {}))
+    kwargs: dict[str, Any] = {
+        "endpoint_url": storage_options.get("endpoint_url"),
+        "aws_access_key_id": storage_options.get("key"),
+        "aws_secret_access_key": storage_options.get("secret"),
+        "region_name": client_kwargs.get("region_name"),
+    }
+    config = Config(max_pool_connections=setting.max_pool_connections)
+    return boto3.client("s3", config=config, **{k: v for k, v in kwargs.items() if v})
+
+
+def transfer_config(setting: S3Setting, part_size: int) -> Any:
+    """The transfer manager's settings: parts of ``part_size``, ``max_concurrency``
+    requests in flight, and the CRT client when the setting asks for it."""
+    from boto3.s3.transfer import TransferConfig  # type: ignore[import-untyped]  # noqa: PLC0415
+
+    extra = {"preferred_transfer_client": "crt"} if setting.crt else {}
+    return TransferConfig(
+        multipart_threshold=part_size,
+        multipart_chunksize=part_size,
+        max_concurrency=setting.max_concurrency,
+        **extra,
+    )
+
+
+def s3_put(client: Any, bucket: str, key: str, payload: bytes, config: Any) -> None:
+    """Upload ``payload`` as one object: concurrent multipart parts above the threshold."""
+    client.upload_fileobj(io.BytesIO(payload), bucket, key, Config=config)
+
+
+def s3_get(client: Any, bucket: str, key: str, config: Any) -> int:
+    """Download one object as concurrent ranged GETs; returns its size."""
+    sink = io.BytesIO()
+    client.download_fileobj(bucket, key, sink, Config=config)
+    return sink.seek(0, os.SEEK_END)
+
+
+def s3_delete_prefix(client: Any, bucket: str, keys: list[str]) -> None:
+    """Delete the baseline's objects."""
+    for key in keys:
+        client.delete_object(Bucket=bucket, Key=key)
