@@ -153,3 +153,36 @@ def test_workload_shares_cover_the_checkpoint_once(world_size: int) -> None:
     state = build_state(spec, 0)
     dtypes = {t.dtype for t in local_tensors(state)}
     assert dtypes == {torch.bfloat16, torch.float32}
+
+
+def test_compare_runs_the_peers_side_by_side_on_one_workload(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    peers = "torch.save,dcp fsspec,cloudckpt"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "compare.py"),
+            "--size",
+            "4MiB",
+            "--world-size",
+            "2",
+            "--targets",
+            "local",
+            "--peers",
+            peers,
+            "--json",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["not_run"] == {}
+    assert set(result["peers"]) == {f"{peer} @ local" for peer in peers.split(",")}
+    for figures in result["peers"].values():
+        assert all(figures[k] > 0 for k in ("save_s", "load_s", "save_mb_s", "load_mb_s"))
+    assert "dcp fsspec @ local" in proc.stdout and "ckpt/peer save" in proc.stdout

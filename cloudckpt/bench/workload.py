@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,8 +114,18 @@ def _filled(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tens
     return torch.rand(shape, generator=generator).to(dtype)
 
 
-def build_state(spec: WorkloadSpec, rank: int, empty: bool = False) -> StateDict:
-    """Rank ``rank``'s sharded state dict (``empty``: uninitialised tensors, to load into)."""
+def build_state(
+    spec: WorkloadSpec,
+    rank: int,
+    empty: bool = False,
+    *,
+    tensor_cls: Any = ShardedTensor,
+    object_cls: Any = ShardedObject,
+) -> StateDict:
+    """Rank ``rank``'s sharded state dict (``empty``: uninitialised tensors, to load into).
+
+    ``tensor_cls`` / ``object_cls``: the ShardedTensor and ShardedObject classes to build
+    it with (Megatron-Core's, to save it with Megatron-Core: the same constructors)."""
     tp_rank, dp_rank = rank % spec.tp, rank // spec.tp
     state: StateDict = {"iteration": 1000, "args": {"hidden": spec.hidden, "layers": spec.layers}}
     model: StateDict = {}
@@ -127,23 +138,29 @@ def build_state(spec: WorkloadSpec, rank: int, empty: bool = False) -> StateDict
             data = _filled(local, torch.bfloat16, index * spec.world_size + tp_rank)
         offsets = [(param.tp_axis, tp_rank, spec.tp)] if param.tp_axis is not None else []
         replica = (0 if tp_split else tp_rank, dp_rank)
-        model[param.key] = ShardedTensor.from_rank_offsets(
+        model[param.key] = tensor_cls.from_rank_offsets(
             param.key, data, *offsets, replica_id=replica
         )
-        optimizer.update(_optimizer_states(spec, param, local, rank, index, empty))
+        optimizer.update(_optimizer_states(spec, param, local, rank, index, empty, tensor_cls))
     state["model"] = model
     state["optimizer"] = optimizer
-    state["rng_state"] = ShardedObject(
+    state["rng_state"] = object_cls(
         "rng_state", torch.arange(16, dtype=torch.int64) + rank, (spec.world_size,), (rank,)
     )
-    state["data_iterator"] = ShardedObject(
+    state["data_iterator"] = object_cls(
         "data_iterator", {"consumed": 1000 * dp_rank}, (spec.dp,), (dp_rank,), replica_id=tp_rank
     )
     return state
 
 
 def _optimizer_states(
-    spec: WorkloadSpec, param: _Param, local: tuple[int, ...], rank: int, index: int, empty: bool
+    spec: WorkloadSpec,
+    param: _Param,
+    local: tuple[int, ...],
+    rank: int,
+    index: int,
+    empty: bool,
+    tensor_cls: Any,
 ) -> StateDict:
     """The fp32 states of one parameter: its TP shard cut along dim 0 by DP (a vector
     whole on every TP rank is cut by DP only, and replicated across TP)."""
@@ -165,7 +182,7 @@ def _optimizer_states(
         data = torch.empty(shape, dtype=torch.float32)
         if not empty:
             data = _filled(shape, torch.float32, (index * 3 + number) * spec.world_size + rank)
-        states[key] = ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=replica)
+        states[key] = tensor_cls.from_rank_offsets(key, data, *offsets, replica_id=replica)
     return states
 
 
