@@ -169,16 +169,20 @@ def plot(summary: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    names = list(summary["mb_per_s"])
-    values = [summary["mb_per_s"][n] for n in names]
+    rates = summary["mb_per_s"]
+    names = sorted((n for n in rates if n not in summary["raw_best"]), key=_phase_order)
+    values = [rates[n] for n in names]
     colors = ["tab:blue" if n.startswith(("save", "load", "async")) else "tab:gray" for n in names]
-    figure, axes = plt.subplots(figsize=(max(6.0, 0.9 * len(names)), 4.0))
-    axes.bar(names, values, color=colors)
-    axes.set_ylabel("MB/s")
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.9 * len(names)), 4.5))
+    bars = axes.bar(names, values, color=colors)
+    axes.bar_label(bars, labels=[f"{v:.0f}" for v in values], fontsize=8)
+    axes.set_yscale("log")
+    axes.set_ylabel("MB/s (log scale)")
     work = summary["workload"]
     axes.set_title(
         f"cloudckpt bench: {work['total_bytes'] / MiB:.0f} MiB, {summary['world_size']} ranks, "
-        f"{summary['backend']} (blue: cloudckpt, grey: raw)"
+        f"{summary['backend']}\nblue: cloudckpt, grey: raw limit",
+        fontsize=10,
     )
     axes.tick_params(axis="x", labelrotation=30)
     figure.tight_layout()

@@ -347,7 +347,7 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> d
         else:
             _raw_local_round(figures, share, rank, run)
         _cloudckpt_round(figures, spec, state, rank, run, options)
-    figures.peak_rss["run"] = _run_peak()
+    figures.peak_rss["run"] = max(_run_peak(), *figures.peak_rss.values())
     return asdict(figures)
 
 
