@@ -222,6 +222,7 @@ def _cloudckpt_round(
 
     _remove(ckpt, options, rank)
     async_ckpt = f"{ckpt}-async"
+    figures.record("copy_to_host", _timed(lambda: _copy_to_host(local_tensors(state))))
     figures.rss_reset = reset_peak_rss()
     before = process_stats().requests
     _async_save(figures, state, async_ckpt, options)
@@ -335,12 +336,10 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> d
     spec = plan_workload(options.size_bytes, world_size)
     figures = RankFigures()
     state = build_state(spec, rank)
-    tensors = local_tensors(state)
-    figures.state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    figures.state_bytes = sum(t.numel() * t.element_size() for t in local_tensors(state))
     share = rank_share(state, spec, rank)
     figures.share_bytes = sum(t.numel() * t.element_size() for t in share.values())
     _warm_up(rank, run, options)
-    figures.record("copy_to_host", _timed(lambda: _copy_to_host(tensors)))
     for _ in range(options.repeat):
         if options.is_s3:
             _raw_s3_round(figures, share, rank, run, options)
