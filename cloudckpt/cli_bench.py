@@ -110,6 +110,7 @@ def _destination(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]
 def _cmd_bench(args: argparse.Namespace) -> int:
     from cloudckpt.bench import raw, report  # noqa: PLC0415 - torch only when benchmarking
     from cloudckpt.bench.runner import BenchOptions, run_bench  # noqa: PLC0415
+    from cloudckpt.config import CheckpointConfig  # noqa: PLC0415
     from cloudckpt.redact import redact_uri  # noqa: PLC0415
 
     if not 1 <= args.world_size <= 16:
@@ -132,8 +133,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             repeat=args.repeat,
         )
         spec, ranks, run = run_bench(options)
+    config = CheckpointConfig(backend=args.backend)
     summary = report.summarize(
-        spec, ranks, uri=redact_uri(run), backend=args.backend, crt=raw.crt_available()
+        spec,
+        ranks,
+        uri=redact_uri(run),
+        backend=args.backend,
+        crt=raw.crt_available(),
+        part_size=config.part_size,
+        max_in_flight=config.max_in_flight,
     )
     if args.server:
         summary["server"] = args.server

@@ -66,6 +66,11 @@ def _assert_common(figures: dict[str, Any], raw_phases: tuple[str, ...]) -> None
         per_rank = figures["peak_rss_bytes"][phase]
         assert len(per_rank) == WORLD_SIZE
         assert all(b > 0 for b in per_rank)
+    growth = figures["peak_rss_growth_bytes"]
+    assert set(growth) == {"save", "load"}
+    assert all(len(v) == WORLD_SIZE and min(v) >= 0 for v in growth.values())
+    bound = figures["sync_save_rss_bound_bytes"]
+    assert [b > s for b, s in zip(bound, work["state_bytes_per_rank"], strict=True)] == [True] * 2
 
 
 def test_bench_local_directory_reports_every_figure_and_leaves_nothing(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ def summarize(
     uri: str,
     backend: str,
     crt: bool,
+    part_size: int,
+    max_in_flight: int,
 ) -> dict[str, Any]:
     """Every figure of a run, JSON-able: the ranks' figures gathered and the ratios."""
     total = spec.total_bytes
@@ -77,6 +79,14 @@ def summarize(
             phase: [r["peak_rss"][phase] for r in ranks] for phase in ranks[0]["peak_rss"]
         },
         "peak_rss_per_phase": all(r["rss_reset"] for r in ranks),
+        # how far each phase's peak rose above the resident memory when it started
+        "peak_rss_growth_bytes": {
+            phase: [r["rss_growth"][phase] for r in ranks] for phase in ranks[0]["rss_growth"]
+        },
+        # issue 14's bound for a sync save: state + part_size x max_in_flight + 64 MiB
+        "sync_save_rss_bound_bytes": [
+            r["state_bytes"] + part_size * max_in_flight + 64 * MiB for r in ranks
+        ],
         "requests": {p: sum(r["requests"].get(p, 0) for r in ranks) for p in requests},
         "requests_counted": s3,
         "objects": dict(ranks[0]["objects"]),
@@ -141,6 +151,15 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
             for phase, per_rank in rss.items()
         )
     )
+    growth = summary["peak_rss_growth_bytes"].get("save")
+    if growth:
+        bound = summary["sync_save_rss_bound_bytes"]
+        lines.append(
+            "save: peak RSS above its start per rank (MiB): "
+            + " ".join(f"{b / MiB:.0f}" for b in growth)
+            + "; bound state + part x in flight + 64 MiB: "
+            + " ".join(f"{b / MiB:.0f}" for b in bound)
+        )
     if summary["objects"]:
         lines.append(f"objects in the checkpoint: {summary['objects'].get('save')}")
     if not summary["crt_available"] and summary["requests_counted"]:

@@ -81,6 +81,7 @@ class RankFigures:
 
     seconds: dict[str, float] = field(default_factory=dict)
     peak_rss: dict[str, int] = field(default_factory=dict)
+    rss_growth: dict[str, int] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
     objects: dict[str, int] = field(default_factory=dict)
     state_bytes: int = 0
@@ -102,6 +103,17 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def current_rss() -> int:
+    """This process's resident memory in bytes now (0 where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def peak_rss() -> int:
@@ -135,9 +147,12 @@ def _timed(fn: Callable[[], object]) -> float:
 def _measured(figures: RankFigures, phase: str, fn: Callable[[], object]) -> None:
     """Time a cloudckpt phase, with its peak RSS and requests."""
     figures.rss_reset = reset_peak_rss()
+    start = current_rss()
     before = process_stats().requests
     figures.record(phase, _timed(fn))
     figures.peak_rss[phase] = max(peak_rss(), figures.peak_rss.get(phase, 0))
+    growth = peak_rss() - start
+    figures.rss_growth[phase] = max(growth, figures.rss_growth.get(phase, 0))
     figures.requests[phase] = process_stats().requests - before
 
 
