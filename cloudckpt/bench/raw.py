@@ -5,7 +5,8 @@ Each rank moves its share of the bytes (:func:`cloudckpt.bench.workload.rank_sha
 * object stores (S3): one object per rank, uploaded as a multipart upload whose parts
   go up concurrently and read back as concurrent ranged GETs, by boto3's transfer
   manager with :data:`S3_SETTINGS` (many threads, a connection pool to match), and by
-  boto3's CRT transfer client when ``awscrt`` is importable (optional, never required);
+  the AWS CRT's S3 client (s3transfer's CRT transfer manager, :class:`CrtTransfer`)
+  when ``awscrt`` is importable (optional, never required);
 * local directories: one file per rank written with ``write()`` and read back with
   ``readinto()`` into preallocated memory, and a ``torch.save`` / ``torch.load`` of the
   rank's tensors.
@@ -48,11 +49,12 @@ S3_SETTINGS: tuple[S3Setting, ...] = (
     # smaller parts, four times the requests in flight: more concurrency per object
     S3Setting("boto3 x64 8MiB", 64, 128, part_size=8 * _MiB),
 )
-CRT_SETTING = S3Setting("boto3 crt 8MiB", 64, 128, part_size=8 * _MiB, crt=True)
+# the AWS CRT's S3 client (C, no GIL): its own connection and part scheduling
+CRT_SETTING = S3Setting("crt 8MiB", 0, 0, part_size=8 * _MiB, crt=True)
 
 
 def crt_available() -> bool:
-    """Whether boto3's CRT transfer client can be used (``awscrt`` importable)."""
+    """Whether the CRT transfer client can be used (``awscrt`` importable)."""
     return importlib.util.find_spec("awscrt") is not None
 
 
@@ -143,23 +145,23 @@ def s3_client(storage_options: Mapping[str, Any], setting: S3Setting) -> Any:
         "aws_secret_access_key": storage_options.get("secret"),
         "region_name": client_kwargs.get("region_name"),
     }
-    config = Config(max_pool_connections=setting.max_pool_connections)
+    # path-style addressing: a bucket name in front of an IP address or localhost is no host
+    # name (the CRT client resolves it and fails)
+    s3 = {"addressing_style": "path"} if kwargs["endpoint_url"] else None
+    config = Config(max_pool_connections=setting.max_pool_connections, s3=s3)
     return boto3.client("s3", config=config, **{k: v for k, v in kwargs.items() if v})
 
 
 def transfer_config(setting: S3Setting, part_size: int) -> Any:
-    """The transfer manager's settings: parts of the setting's size (else ``part_size``),
-    ``max_concurrency``
-    requests in flight, and the CRT client when the setting asks for it."""
+    """boto3's transfer manager settings: parts of the setting's size (else
+    ``part_size``), ``max_concurrency`` requests in flight."""
     from boto3.s3.transfer import TransferConfig  # type: ignore[import-untyped]  # noqa: PLC0415
 
-    extra = {"preferred_transfer_client": "crt"} if setting.crt else {}
     part_size = setting.part_size or part_size
     return TransferConfig(
         multipart_threshold=part_size,
         multipart_chunksize=part_size,
         max_concurrency=setting.max_concurrency,
-        **extra,
     )
 
 
@@ -173,6 +175,60 @@ def s3_get(client: Any, bucket: str, key: str, config: Any) -> int:
     sink = io.BytesIO()
     client.download_fileobj(bucket, key, sink, Config=config)
     return sink.seek(0, os.SEEK_END)
+
+
+class CrtTransfer:
+    """s3transfer's CRT transfer manager for any endpoint (boto3's own CRT path talks to
+    AWS only: it ignores the client's ``endpoint_url``): requests serialized by botocore
+    (path-style), sent by the CRT's S3 client with ``part_size`` parts."""
+
+    def __init__(self, storage_options: Mapping[str, Any], part_size: int) -> None:
+        import botocore.session  # type: ignore[import-untyped]  # noqa: PLC0415
+        from awscrt.auth import AwsCredentialsProvider  # type: ignore[import-not-found]  # noqa: PLC0415
+        from botocore.config import Config  # noqa: PLC0415
+        from s3transfer.crt import (  # type: ignore[import-untyped]  # noqa: PLC0415
+            BotocoreCRTRequestSerializer,
+            CRTTransferManager,
+            create_s3_crt_client,
+        )
+
+        client_kwargs = dict(storage_options.get("client_kwargs", {}))
+        region = client_kwargs.get("region_name") or "us-east-1"
+        endpoint = storage_options.get("endpoint_url")
+        serializer = BotocoreCRTRequestSerializer(
+            botocore.session.Session(),
+            {
+                "region_name": region,
+                "endpoint_url": endpoint,
+                "aws_access_key_id": storage_options.get("key"),
+                "aws_secret_access_key": storage_options.get("secret"),
+                "config": Config(s3={"addressing_style": "path"}),
+            },
+        )
+        credentials = AwsCredentialsProvider.new_static(
+            storage_options.get("key"), storage_options.get("secret")
+        )
+        client = create_s3_crt_client(
+            region,
+            crt_credentials_provider=credentials,
+            part_size=part_size,
+            use_ssl=bool(endpoint is None or str(endpoint).startswith("https")),
+        )
+        self.manager = CRTTransferManager(client, serializer)
+
+    def put(self, bucket: str, key: str, payload: bytes) -> None:
+        """Upload ``payload`` as one object (the CRT splits it into parts)."""
+        self.manager.upload(io.BytesIO(payload), bucket, key).result()
+
+    def get(self, bucket: str, key: str) -> int:
+        """Download one object (the CRT issues ranged GETs); returns its size."""
+        sink = io.BytesIO()
+        self.manager.download(bucket, key, sink).result()
+        return sink.seek(0, os.SEEK_END)
+
+    def close(self) -> None:
+        """Stop the manager's requests and threads."""
+        self.manager.shutdown()
 
 
 def s3_delete_prefix(client: Any, bucket: str, keys: list[str]) -> None:

@@ -91,6 +91,11 @@ def summarize(
         "requests_counted": s3,
         "objects": dict(ranks[0]["objects"]),
         "crt_available": crt,
+        # raw settings that failed (the optional CRT client), by setting, per rank
+        "raw_errors": {
+            name: [r["errors"].get(name) for r in ranks]
+            for name in sorted({n for r in ranks for n in r["errors"]})
+        },
     }
 
 
@@ -163,7 +168,9 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
     if summary["objects"]:
         lines.append(f"objects in the checkpoint: {summary['objects'].get('save')}")
     if not summary["crt_available"] and summary["requests_counted"]:
-        lines.append("awscrt not importable: boto3's CRT transfer client not measured")
+        lines.append("awscrt not importable: the CRT transfer client not measured")
+    for name, per_rank in summary["raw_errors"].items():
+        lines.append(f"raw {name} failed: {next(e for e in per_rank if e)}")
     return lines
 
 

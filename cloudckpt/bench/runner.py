@@ -13,10 +13,13 @@ files are not counted).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import resource
 import sys
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -87,6 +90,7 @@ class RankFigures:
     state_bytes: int = 0
     share_bytes: int = 0
     rss_reset: bool = False
+    errors: dict[str, str] = field(default_factory=dict)
 
     def record(self, phase: str, seconds: float) -> None:
         """Keep the best time of a phase."""
@@ -301,9 +305,12 @@ def _raw_s3_round(
     payload = raw.payload_of(share)
     part_size = _config(options).part_size
     for setting in raw.s3_settings():
+        key = f"{prefix}/raw/{setting.name.replace(' ', '-')}/rank{rank}.bin"
+        if setting.crt:
+            _raw_crt(figures, setting, options, bucket, key, payload)
+            continue
         client = raw.s3_client(options.storage_options, setting)
         config = raw.transfer_config(setting, part_size)
-        key = f"{prefix}/raw/{setting.name.replace(' ', '-')}/rank{rank}.bin"
         _raw_s3_setting(figures, setting.name, client, config, bucket, key, payload)
         raw.s3_delete_prefix(client, bucket, [key])
         client.close()
@@ -328,6 +335,43 @@ def _raw_s3_setting(
     figures.requests[f"raw_get[{name}]"] = counter.take()
 
 
+def _raw_crt(
+    figures: RankFigures,
+    setting: raw.S3Setting,
+    options: BenchOptions,
+    bucket: str,
+    key: str,
+    payload: bytes,
+) -> None:
+    """The CRT's PUT and GET (its requests are not counted). Optional: a failure is
+    recorded, not raised, and every rank still passes the same barriers."""
+    errors: list[str] = []
+
+    def attempt(fn: Callable[[], object]) -> None:
+        if errors:
+            return
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - recorded in the figures
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    transfer: list[raw.CrtTransfer] = []
+    part_size = setting.part_size or _config(options).part_size
+    attempt(lambda: transfer.append(raw.CrtTransfer(options.storage_options, part_size)))
+    put = _timed(lambda: attempt(lambda: transfer[0].put(bucket, key, payload)))
+    get = _timed(lambda: attempt(lambda: transfer[0].get(bucket, key)))
+    if transfer:
+        transfer[0].close()
+        with contextlib.suppress(Exception):
+            client = raw.s3_client(options.storage_options, raw.S3_SETTINGS[0])
+            raw.s3_delete_prefix(client, bucket, [key])
+    if errors:
+        figures.errors[setting.name] = errors[0]
+        return
+    figures.record(f"raw_put[{setting.name}]", put)
+    figures.record(f"raw_get[{setting.name}]", get)
+
+
 class _RequestCounter:
     """A botocore ``before-send`` hook counting the HTTP requests a client sends."""
 
@@ -347,7 +391,19 @@ class _RequestCounter:
 
 
 def bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> dict[str, Any]:
-    """Run every phase on this rank; return its :class:`RankFigures` as a dict."""
+    """Run every phase on this rank; return its :class:`RankFigures` as a dict.
+
+    A rank that fails prints its traceback and exits: the others wait for it in a
+    barrier, and the pool fails the run as soon as it sees a rank process gone."""
+    try:
+        return _bench_rank(rank, world_size, options, run)
+    except BaseException:  # noqa: BLE001 - reported, then the process ends
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> dict[str, Any]:
     spec = plan_workload(options.size_bytes, world_size)
     figures = RankFigures()
     state = build_state(spec, rank)
