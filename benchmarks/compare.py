@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -168,7 +169,21 @@ def _run_cloudckpt(
 def rank_peer(
     rank: int, world: int, peer: str, target: Target, uri: str, size: int
 ) -> tuple[float, float]:
-    """Save and load the workload through ``peer`` at ``uri``: (save s, load s)."""
+    """Save and load the workload through ``peer`` at ``uri``: (save s, load s).
+
+    A rank that fails prints its traceback and exits (the others would wait for it in a
+    collective): the parent sees the dead rank, notes the peer failed, starts new ranks."""
+    try:
+        return _rank_peer(rank, world, peer, target, uri, size)
+    except BaseException:  # noqa: BLE001 - reported, then the process ends
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _rank_peer(
+    rank: int, world: int, peer: str, target: Target, uri: str, size: int
+) -> tuple[float, float]:
     spec, state, share = _workload(rank, world, size)
     options = target.options
     if peer == "torch.save":
@@ -307,6 +322,14 @@ def _one(
         _remove(target, uri)
 
 
+@contextlib.contextmanager
+def _pool(args: argparse.Namespace) -> Iterator[RankPool]:
+    """Rank processes holding the workload, ready to time peers."""
+    with RankPool(args.world_size, 3600) as pool:
+        pool.run(warm_up, args.size)
+        yield pool
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every peer on every target, ``args.repeat`` interleaved rounds; best times."""
     spec = plan_workload(args.size, args.world_size)
@@ -317,8 +340,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if wanted is None or MCORE_ENV in wanted:
         mcore = _mcore_python()
     best: dict[str, dict[str, float]] = {}
-    with _targets(args.targets.split(",")) as targets, RankPool(args.world_size, 3600) as pool:
-        pool.run(warm_up, args.size)
+    with _targets(args.targets.split(",")) as targets, contextlib.ExitStack() as stack:
+        pool = stack.enter_context(_pool(args))
         plan = [(t, p) for t in targets for p in (LOCAL_PEERS if t.name == "local" else S3_PEERS)]
         plan = [(t, p) for t, p in plan if wanted is None or p in wanted]
         for _ in range(args.repeat):
@@ -332,6 +355,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     save, load = _one(pool, target, peer, args, mcore[0])
                 except Exception as exc:  # noqa: BLE001 - a failing peer does not stop the rest
                     skipped[row] = f"failed: {str(exc).strip().splitlines()[-1][:300]}"
+                    stack.close()  # its ranks may be gone or stuck: new ones
+                    pool = stack.enter_context(_pool(args))
                     continue
                 seen = best.setdefault(row, {"save_s": save, "load_s": load})
                 seen["save_s"] = min(seen["save_s"], save)
