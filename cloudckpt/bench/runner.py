@@ -238,7 +238,8 @@ def _cloudckpt_round(
     target = build_state(spec, rank, empty=True)
     _measured(figures, "load", lambda: _load(target, ckpt, options, loaded))
     _check_loaded(loaded[0], state)
-
+    target.clear()  # the loaded copy is not kept through the async save
+    loaded.clear()
     _remove(ckpt, options, rank)
     async_ckpt = f"{ckpt}-async"
     figures.record("copy_to_host", _timed(lambda: _copy_to_host(local_tensors(state))))
