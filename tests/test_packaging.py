@@ -47,6 +47,11 @@ def _imported_top_level_modules(package: Path) -> set[str]:
 # imported only on an extra's code path (cloudckpt/storage/s3.py), from a package that
 # the extra's own dependency brings: module -> (the extra's distribution, the module's)
 FROM_EXTRAS = {"botocore": ("s3fs", "botocore")}
+# imported only by `cloudckpt bench` (cloudckpt/bench/), declared by its own extra; and
+# there only when importable, declared nowhere (the AWS CRT: the user's choice), or
+# brought by boto3 (s3transfer, its transfer managers)
+FROM_BENCH_EXTRA = {"boto3", "matplotlib"}
+BENCH_OPTIONAL = {"awscrt", "s3transfer"}
 
 
 def _requires(dist: str) -> set[str]:
@@ -57,9 +62,15 @@ def test_runtime_dependencies_are_exactly_the_imported_distributions() -> None:
     by_module = importlib.metadata.packages_distributions()
     imported = {
         _name(dist)
-        for module in _imported_top_level_modules(REPO_ROOT / "cloudckpt") - set(FROM_EXTRAS)
+        for module in _imported_top_level_modules(REPO_ROOT / "cloudckpt")
+        - set(FROM_EXTRAS)
+        - FROM_BENCH_EXTRA
+        - BENCH_OPTIONAL
         for dist in by_module[module]
     }
+    bench = {_name(r) for r in PROJECT["optional-dependencies"]["bench"]}
+    assert bench == FROM_BENCH_EXTRA
+    assert "s3transfer" in _requires("boto3")
     for extra_dist, dist in FROM_EXTRAS.values():  # s3fs -> aiobotocore -> botocore
         below = _requires(extra_dist)
         assert dist in below | {d for b in below for d in _requires(b)}, (extra_dist, dist)

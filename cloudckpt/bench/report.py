@@ -1,0 +1,216 @@
+"""``cloudckpt bench``'s figures: gathered from the ranks, as a table, JSON and a PNG.
+
+Throughputs are the checkpoint's bytes (each replicated tensor counted once) over the
+slowest rank's time. Ratios compare throughputs (1.0: as fast as the raw limit), except
+``async_blocking_over_copy``, which compares times (1.0: the training loop blocks only
+as long as one copy of its state to host memory takes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+from cloudckpt.bench.workload import WorkloadSpec
+from cloudckpt.storage import MissingDependencyError
+
+MB = 1e6
+MiB = 2**20
+
+# cloudckpt's phase, the raw phase(s) it is compared with, and the ratio's name
+_LOCAL_RATIOS = (
+    ("save", "raw_write", "save_over_raw_write"),
+    ("load", "raw_read", "load_over_raw_read"),
+    ("save", "torch_save", "save_over_torch_save"),
+    ("load", "torch_load", "load_over_torch_load"),
+)
+_S3_RATIOS = (
+    ("save", "raw_put", "save_over_raw_put"),
+    ("load", "raw_get", "load_over_raw_get"),
+)
+
+
+def summarize(
+    spec: WorkloadSpec,
+    ranks: Sequence[dict[str, Any]],
+    *,
+    uri: str,
+    backend: str,
+    crt: bool,
+    part_size: int,
+    max_in_flight: int,
+) -> dict[str, Any]:
+    """Every figure of a run, JSON-able: the ranks' figures gathered and the ratios."""
+    total = spec.total_bytes
+    phases = sorted({phase for r in ranks for phase in r["seconds"]})
+    seconds = {p: max(r["seconds"][p] for r in ranks) for p in phases}
+    throughput = {p: total / s / MB for p, s in seconds.items() if not p.startswith("async_b")}
+    throughput.pop("copy_to_host", None)
+    best = _best_raw(throughput)
+    throughput.update({kind: throughput[name] for kind, name in best.items()})
+    s3 = "raw_put" in best
+    ratios = {
+        name: throughput[ours] / throughput[theirs]
+        for ours, theirs, name in (_S3_RATIOS if s3 else _LOCAL_RATIOS)
+        if ours in throughput and theirs in throughput
+    }
+    ratios["async_blocking_over_copy"] = seconds["async_blocking"] / seconds["copy_to_host"]
+    requests = sorted({phase for r in ranks for phase in r["requests"]})
+    return {
+        "uri": uri,
+        "backend": backend,
+        "world_size": spec.world_size,
+        "workload": {
+            "tp": spec.tp,
+            "dp": spec.dp,
+            "hidden": spec.hidden,
+            "layers": spec.layers,
+            "params": spec.params,
+            "total_bytes": total,
+            "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
+            "share_bytes_per_rank": [r["share_bytes"] for r in ranks],
+        },
+        "seconds": seconds,
+        "mb_per_s": throughput,
+        "raw_best": best,
+        "ratios": ratios,
+        "peak_rss_bytes": {
+            phase: [r["peak_rss"][phase] for r in ranks] for phase in ranks[0]["peak_rss"]
+        },
+        "peak_rss_per_phase": all(r["rss_reset"] for r in ranks),
+        # how far each phase's peak rose above the resident memory when it started
+        "peak_rss_growth_bytes": {
+            phase: [r["rss_growth"][phase] for r in ranks] for phase in ranks[0]["rss_growth"]
+        },
+        # issue 14's bound for a sync save: state + part_size x max_in_flight + 64 MiB
+        "sync_save_rss_bound_bytes": [
+            r["state_bytes"] + part_size * max_in_flight + 64 * MiB for r in ranks
+        ],
+        "requests": {p: sum(r["requests"].get(p, 0) for r in ranks) for p in requests},
+        "requests_counted": s3,
+        "objects": dict(ranks[0]["objects"]),
+        "crt_available": crt,
+        # raw settings that failed (the optional CRT client), by setting, per rank
+        "raw_errors": {
+            name: [r["errors"].get(name) for r in ranks]
+            for name in sorted({n for r in ranks for n in r["errors"]})
+        },
+    }
+
+
+def _best_raw(throughput: dict[str, float]) -> dict[str, str]:
+    """The fastest client setting of each raw S3 phase (``raw_put[boto3 x64]``, ...)."""
+    best: dict[str, str] = {}
+    for kind in ("raw_put", "raw_get"):
+        names = [name for name in throughput if name.startswith(kind + "[")]
+        if names:
+            best[kind] = max(names, key=lambda name: throughput[name])
+    return best
+
+
+_ORDER = (
+    "copy_to_host",
+    "raw_write",
+    "raw_put",
+    "save",
+    "raw_read",
+    "raw_get",
+    "load",
+    "torch_save",
+    "torch_load",
+    "async_blocking",
+    "async_total",
+)
+
+
+def _phase_order(phase: str) -> tuple[int, str]:
+    """Where a phase goes in the table (``raw_put[...]`` beside ``raw_put``)."""
+    base = phase.split("[", maxsplit=1)[0]
+    return (_ORDER.index(base) if base in _ORDER else len(_ORDER), phase)
+
+
+def table_lines(summary: dict[str, Any]) -> list[str]:
+    """The run as a table: phase, seconds, MB/s, and the ratios."""
+    work = summary["workload"]
+    lines = [
+        f"cloudckpt bench: {work['total_bytes'] / MiB:.1f} MiB on {summary['world_size']} ranks "
+        f"(TP {work['tp']} x DP {work['dp']}, hidden {work['hidden']}, {work['layers']} layers), "
+        f"backend {summary['backend']}, at {summary['uri']}",
+        f"{'phase':<26}{'seconds':>10}{'MB/s':>10}{'requests':>10}",
+    ]
+    for phase in sorted(summary["seconds"], key=_phase_order):
+        secs = summary["seconds"][phase]
+        rate = summary["mb_per_s"].get(phase)
+        shown = f"{rate:10.1f}" if rate is not None else f"{'':>10}"
+        count = summary["requests"].get(phase)
+        counted = f"{count:10d}" if count is not None and summary["requests_counted"] else ""
+        lines.append(f"{phase:<26}{secs:10.3f}{shown}{counted}")
+    lines.append("ratios (throughput, cloudckpt / raw; async: blocking time / copy time):")
+    lines += [f"  {name:<30}{value:6.2f}" for name, value in summary["ratios"].items()]
+    rss = summary["peak_rss_bytes"]
+    lines.append(
+        "peak RSS per rank (MiB): "
+        + "; ".join(
+            f"{phase} " + " ".join(f"{b / MiB:.0f}" for b in per_rank)
+            for phase, per_rank in rss.items()
+        )
+    )
+    growth = summary["peak_rss_growth_bytes"].get("save")
+    if growth:
+        bound = summary["sync_save_rss_bound_bytes"]
+        lines.append(
+            "save: peak RSS above its start per rank (MiB): "
+            + " ".join(f"{b / MiB:.0f}" for b in growth)
+            + "; bound state + part x in flight + 64 MiB: "
+            + " ".join(f"{b / MiB:.0f}" for b in bound)
+        )
+    if summary["objects"]:
+        lines.append(f"objects in the checkpoint: {summary['objects'].get('save')}")
+    if not summary["crt_available"] and summary["requests_counted"]:
+        lines.append("awscrt not importable: the CRT transfer client not measured")
+    for name, per_rank in summary["raw_errors"].items():
+        lines.append(f"raw {name} failed: {next(e for e in per_rank if e)}")
+    return lines
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`MissingDependencyError` unless matplotlib is installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingDependencyError(
+            "--plot needs matplotlib: pip install 'cloudckpt[bench]' (or matplotlib>=3.8)",
+            "bench",
+        )
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    """A bar chart of the throughputs to ``path`` (PNG).
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed (the ``bench`` extra).
+    """
+    require_matplotlib()
+    import matplotlib  # noqa: PLC0415 - optional
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rates = summary["mb_per_s"]
+    names = sorted((n for n in rates if n not in summary["raw_best"]), key=_phase_order)
+    values = [rates[n] for n in names]
+    colors = ["tab:blue" if n.startswith(("save", "load", "async")) else "tab:gray" for n in names]
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.9 * len(names)), 4.5))
+    bars = axes.bar(names, values, color=colors)
+    axes.bar_label(bars, labels=[f"{v:.0f}" for v in values], fontsize=8)
+    axes.set_yscale("log")
+    axes.set_ylabel("MB/s (log scale)")
+    work = summary["workload"]
+    axes.set_title(
+        f"cloudckpt bench: {work['total_bytes'] / MiB:.0f} MiB, {summary['world_size']} ranks, "
+        f"{summary['backend']}\nblue: cloudckpt, grey: raw limit",
+        fontsize=10,
+    )
+    axes.tick_params(axis="x", labelrotation=30)
+    figure.tight_layout()
+    figure.savefig(path, format="png")
+    plt.close(figure)

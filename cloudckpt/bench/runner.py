@@ -1,0 +1,449 @@
+"""What each rank of ``cloudckpt bench`` measures, and the run that gathers it.
+
+Every rank builds its part of the workload (:mod:`.workload`), then, ``repeat`` times
+and interleaved (raw, cloudckpt, raw, cloudckpt), times: the raw write, cloudckpt's
+save, the raw read, cloudckpt's load, and an async save (the time until
+``cloudckpt.save(..., async_sharded_save=True)`` returns, then until the request has
+run and committed). Each phase starts and ends with a barrier; its time is the slowest
+rank's. Around cloudckpt's phases each rank records its peak resident memory (Linux:
+``VmHWM`` reset through ``/proc/self/clear_refs``; else ``ru_maxrss``, the peak so far)
+and the storage requests it issued (cloudckpt's own counters: S3 data requests; local
+files are not counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cloudckpt
+from cloudckpt.bench import raw
+from cloudckpt.bench.workload import (
+    WorkloadSpec,
+    build_state,
+    local_tensors,
+    plan_workload,
+    rank_share,
+)
+from cloudckpt.config import CheckpointConfig
+from cloudckpt.launch import run_on_ranks
+from cloudckpt.mapping import ShardedTensor, StateDict
+from cloudckpt.storage import open_checkpoint
+from cloudckpt.storage.pool import process_stats
+from cloudckpt.tracker import remove_checkpoint
+
+logger = logging.getLogger(__name__)
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """One ``cloudckpt bench`` run.
+
+    Attributes:
+        uri: a prefix to write under (a fresh child of it is used and removed after).
+        size_bytes: the requested state size (the workload's actual size is close).
+        world_size: number of rank processes.
+        backend: cloudckpt's sharded backend, ``torch_dist`` or ``zarr``.
+        storage_options: fsspec options for the URI (endpoint, credentials).
+        repeat: rounds of every phase; each figure is the best round's.
+        timeout_s: the longest the ranks may take, all phases together.
+    """
+
+    uri: str
+    size_bytes: int
+    world_size: int = 4
+    backend: str = "torch_dist"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    repeat: int = 1
+    timeout_s: float = 3600.0
+
+    @property
+    def is_s3(self) -> bool:
+        """Whether the URI is on S3 (else a local directory)."""
+        return self.uri.startswith("s3://")
+
+
+@dataclass
+class RankFigures:
+    """What one rank measured: seconds by phase (best round), peak RSS in bytes by phase,
+    requests by phase, and objects written by phase (rank 0 only)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss: dict[str, int] = field(default_factory=dict)
+    rss_growth: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)
+    objects: dict[str, int] = field(default_factory=dict)
+    state_bytes: int = 0
+    share_bytes: int = 0
+    rss_reset: bool = False
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def record(self, phase: str, seconds: float) -> None:
+        """Keep the best time of a phase."""
+        self.seconds[phase] = min(seconds, self.seconds.get(phase, float("inf")))
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``); False where it cannot be reset."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_rss() -> int:
+    """This process's resident memory in bytes now (0 where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes since the last reset (or start)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, else KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+# -- phases ----------------------------------------------------------------------------------
+
+
+def _barrier() -> None:
+    torch.distributed.barrier()
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds from a barrier to the barrier after ``fn`` on this rank."""
+    _barrier()
+    start = time.perf_counter()
+    fn()
+    _barrier()
+    return time.perf_counter() - start
+
+
+def _measured(figures: RankFigures, phase: str, fn: Callable[[], object]) -> None:
+    """Time a cloudckpt phase, with its peak RSS and requests."""
+    figures.rss_reset = reset_peak_rss()
+    start = current_rss()
+    before = process_stats().requests
+    figures.record(phase, _timed(fn))
+    figures.peak_rss[phase] = max(peak_rss(), figures.peak_rss.get(phase, 0))
+    growth = peak_rss() - start
+    figures.rss_growth[phase] = max(growth, figures.rss_growth.get(phase, 0))
+    figures.requests[phase] = process_stats().requests - before
+
+
+def _config(options: BenchOptions) -> CheckpointConfig:
+    return CheckpointConfig(backend=options.backend)
+
+
+def _save(state: StateDict, uri: str, options: BenchOptions) -> None:
+    cloudckpt.save(state, uri, storage_options=options.storage_options, config=_config(options))
+
+
+def _load(state: StateDict, uri: str, options: BenchOptions, into: list[StateDict]) -> None:
+    loaded = cloudckpt.load(
+        state, uri, storage_options=options.storage_options, config=_config(options)
+    )
+    assert isinstance(loaded, dict)
+    into.append(loaded)
+
+
+def _copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What staging must at least do: one copy of every local tensor."""
+    return [t.detach().to("cpu", copy=True) for t in tensors]
+
+
+def _async_save(figures: RankFigures, state: StateDict, uri: str, options: BenchOptions) -> None:
+    """The async save: blocking time (until ``save`` returns), then the whole of it."""
+    _barrier()
+    start = time.perf_counter()
+    request = cloudckpt.save(
+        state,
+        uri,
+        async_sharded_save=True,
+        storage_options=options.storage_options,
+        config=_config(options),
+    )
+    figures.record("async_blocking", time.perf_counter() - start)
+    assert request is not None
+    request.execute_sync()
+    _barrier()
+    figures.record("async_total", time.perf_counter() - start)
+
+
+def _count_objects(uri: str, options: BenchOptions) -> int:
+    storage = open_checkpoint(uri, storage_options=options.storage_options)
+    return len(storage.list())
+
+
+def _remove(uri: str, options: BenchOptions, rank: int) -> None:
+    _barrier()
+    if rank == 0:
+        remove_checkpoint(uri, storage_options=options.storage_options)
+    _barrier()
+
+
+def _check_loaded(loaded: StateDict, saved: StateDict) -> None:
+    """The first tensor loaded equals the one saved (the load really happened)."""
+    model = saved["model"]
+    assert isinstance(model, dict)
+    key = next(iter(model))
+    got, want = loaded["model"][key], local_tensors(saved)[0]
+    if not isinstance(got, torch.Tensor) or not torch.equal(got, want):
+        raise AssertionError("cloudckpt bench: the tensor loaded differs from the one saved")
+
+
+def _cloudckpt_round(
+    figures: RankFigures,
+    spec: WorkloadSpec,
+    state: StateDict,
+    rank: int,
+    run: str,
+    options: BenchOptions,
+) -> None:
+    ckpt = f"{run}/ckpt-{uuid.uuid4().hex[:6]}" if rank == 0 else ""
+    ckpt = _broadcast(ckpt)
+    _measured(figures, "save", lambda: _save(state, ckpt, options))
+    if rank == 0:
+        figures.objects["save"] = _count_objects(ckpt, options)
+    loaded: list[StateDict] = []
+    target = build_state(spec, rank, empty=True)
+    _measured(figures, "load", lambda: _load(target, ckpt, options, loaded))
+    _check_loaded(loaded[0], state)
+    target.clear()  # the loaded copy is not kept through the async save
+    loaded.clear()
+    _remove(ckpt, options, rank)
+    async_ckpt = f"{ckpt}-async"
+    figures.record("copy_to_host", _timed(lambda: _copy_to_host(local_tensors(state))))
+    figures.rss_reset = reset_peak_rss()
+    before = process_stats().requests
+    _async_save(figures, state, async_ckpt, options)
+    figures.requests["async_total"] = process_stats().requests - before
+    figures.peak_rss["async_save"] = max(peak_rss(), figures.peak_rss.get("async_save", 0))
+    _remove(async_ckpt, options, rank)
+
+
+def _warm_up(rank: int, run: str, options: BenchOptions) -> None:
+    """An untimed save and load of a tiny state: imports, the first collectives and the
+    store's connections are not charged to the first round."""
+    uri = f"{run}/warm-up"
+    tensor = torch.arange(1024, dtype=torch.float32) + rank
+    state: StateDict = {
+        "w": ShardedTensor.from_rank_offsets("w", tensor, (0, rank, options.world_size))
+    }
+    _save(state, uri, options)
+    _load(
+        {
+            "w": ShardedTensor.from_rank_offsets(
+                "w", torch.empty_like(tensor), (0, rank, options.world_size)
+            )
+        },
+        uri,
+        options,
+        [],
+    )
+    _remove(uri, options, rank)
+
+
+def _broadcast(value: str) -> str:
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+# -- raw baselines ---------------------------------------------------------------------------
+
+
+def _raw_local_round(
+    figures: RankFigures, share: dict[str, torch.Tensor], rank: int, run: str
+) -> None:
+    directory = raw.local_path(run) / "raw"
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = raw.payload_of(share)
+    path = directory / f"rank{rank}.bin"
+    figures.record("raw_write", _timed(lambda: raw.write_file(path, payload)))
+    sink = bytearray(len(payload))
+    figures.record("raw_read", _timed(lambda: raw.read_file(path, sink)))
+    path.unlink()
+    pt = directory / f"rank{rank}.pt"
+    figures.record("torch_save", _timed(lambda: raw.torch_save(pt, share)))
+    figures.record("torch_load", _timed(lambda: raw.torch_load(pt)))
+    pt.unlink()
+
+
+def _raw_s3_round(
+    figures: RankFigures, share: dict[str, torch.Tensor], rank: int, run: str, options: BenchOptions
+) -> None:
+    bucket, prefix = raw.split_s3(run)
+    payload = raw.payload_of(share)
+    part_size = _config(options).part_size
+    for setting in raw.s3_settings():
+        key = f"{prefix}/raw/{setting.name.replace(' ', '-')}/rank{rank}.bin"
+        if setting.crt:
+            _raw_crt(figures, setting, options, bucket, key, payload)
+            continue
+        client = raw.s3_client(options.storage_options, setting)
+        config = raw.transfer_config(setting, part_size)
+        _raw_s3_setting(figures, setting.name, client, config, bucket, key, payload)
+        raw.s3_delete_prefix(client, bucket, [key])
+        client.close()
+
+
+def _raw_s3_setting(
+    figures: RankFigures,
+    name: str,
+    client: Any,
+    config: Any,
+    bucket: str,
+    key: str,
+    payload: bytes,
+) -> None:
+    """One client setting's PUT and GET of the rank's bytes, with their requests."""
+    counter = _RequestCounter()
+    client.meta.events.register("before-send.s3", counter)
+    put = _timed(lambda: raw.s3_put(client, bucket, key, payload, config))
+    figures.record(f"raw_put[{name}]", put)
+    figures.requests[f"raw_put[{name}]"] = counter.take()
+    figures.record(f"raw_get[{name}]", _timed(lambda: raw.s3_get(client, bucket, key, config)))
+    figures.requests[f"raw_get[{name}]"] = counter.take()
+
+
+def _raw_crt(
+    figures: RankFigures,
+    setting: raw.S3Setting,
+    options: BenchOptions,
+    bucket: str,
+    key: str,
+    payload: bytes,
+) -> None:
+    """The CRT's PUT and GET (its requests are not counted). Optional: a failure is
+    recorded, not raised, and every rank still passes the same barriers."""
+    errors: list[str] = []
+
+    def attempt(fn: Callable[[], object]) -> None:
+        if errors:
+            return
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - recorded in the figures
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    transfer: list[raw.CrtTransfer] = []
+    part_size = setting.part_size or _config(options).part_size
+    attempt(lambda: transfer.append(raw.CrtTransfer(options.storage_options, part_size)))
+    put = _timed(lambda: attempt(lambda: transfer[0].put(bucket, key, payload)))
+    get = _timed(lambda: attempt(lambda: transfer[0].get(bucket, key)))
+    if transfer:
+        transfer[0].close()
+        with contextlib.suppress(Exception):
+            client = raw.s3_client(options.storage_options, raw.S3_SETTINGS[0])
+            raw.s3_delete_prefix(client, bucket, [key])
+    if errors:
+        figures.errors[setting.name] = errors[0]
+        return
+    figures.record(f"raw_put[{setting.name}]", put)
+    figures.record(f"raw_get[{setting.name}]", get)
+
+
+class _RequestCounter:
+    """A botocore ``before-send`` hook counting the HTTP requests a client sends."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, **kwargs: Any) -> None:
+        self.count += 1  # botocore's threads: += on an int is atomic enough under the GIL
+
+    def take(self) -> int:
+        """The count since the last take."""
+        count, self.count = self.count, 0
+        return count
+
+
+# -- a rank ----------------------------------------------------------------------------------
+
+
+def bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> dict[str, Any]:
+    """Run every phase on this rank; return its :class:`RankFigures` as a dict.
+
+    A rank that fails prints its traceback and exits: the others wait for it in a
+    barrier, and the pool fails the run as soon as it sees a rank process gone."""
+    try:
+        return _bench_rank(rank, world_size, options, run)
+    except BaseException:  # noqa: BLE001 - reported, then the process ends
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> dict[str, Any]:
+    spec = plan_workload(options.size_bytes, world_size)
+    figures = RankFigures()
+    state = build_state(spec, rank)
+    figures.state_bytes = sum(t.numel() * t.element_size() for t in local_tensors(state))
+    share = rank_share(state, spec, rank)
+    figures.share_bytes = sum(t.numel() * t.element_size() for t in share.values())
+    _warm_up(rank, run, options)
+    for _ in range(options.repeat):
+        if options.is_s3:
+            _raw_s3_round(figures, share, rank, run, options)
+        else:
+            _raw_local_round(figures, share, rank, run)
+        _cloudckpt_round(figures, spec, state, rank, run, options)
+    figures.peak_rss["run"] = max(_run_peak(), *figures.peak_rss.values())
+    return asdict(figures)
+
+
+def _run_peak() -> int:
+    """The peak RSS of the whole run (ru_maxrss is never reset by clear_refs)."""
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def run_bench(options: BenchOptions) -> tuple[WorkloadSpec, list[dict[str, Any]], str]:
+    """Run the benchmark on ``options.world_size`` fresh rank processes.
+
+    Returns:
+        The workload, every rank's figures, and the run's URI (removed after).
+    """
+    spec = plan_workload(options.size_bytes, options.world_size)
+    run = f"{options.uri.rstrip('/')}/cloudckpt-bench-{uuid.uuid4().hex[:8]}"
+    logger.info("cloudckpt bench: %s on %d ranks under %s", spec, options.world_size, run)
+    try:
+        figures = run_on_ranks(
+            bench_rank, options.world_size, (options, run), timeout_s=options.timeout_s
+        )
+    finally:
+        if not options.is_s3:
+            import shutil  # noqa: PLC0415
+
+            shutil.rmtree(raw.local_path(run), ignore_errors=True)
+    return spec, figures, run

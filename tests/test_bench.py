@@ -1,0 +1,193 @@
+"""``cloudckpt bench``: tiny real runs (2 ranks, a few MiB) on a local directory and on
+SeaweedFS, checked for every figure; no timing is asserted."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cloudckpt.bench.workload import build_state, local_tensors, plan_workload, rank_share
+from cloudckpt.cli_bench import parse_size
+from tests.fixtures_object_stores import S3_CASES, bucket_location
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORLD_SIZE = 2
+SIZE = "6MiB"
+CLOUDCKPT_PHASES = ("save", "load", "async_blocking", "async_total", "copy_to_host")
+LOCAL_RAW = ("raw_write", "raw_read", "torch_save", "torch_load")
+LOCAL_RATIOS = (
+    "save_over_raw_write",
+    "load_over_raw_read",
+    "save_over_torch_save",
+    "load_over_torch_load",
+    "async_blocking_over_copy",
+)
+S3_RATIOS = ("save_over_raw_put", "load_over_raw_get", "async_blocking_over_copy")
+# the store's real ones only: moto is a poor limit
+REAL_S3_CASES = [case for case in S3_CASES if case != "s3-moto"]
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cloudckpt", "bench", "--size", SIZE, "--world-size", "2", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _figures(proc: subprocess.CompletedProcess[str], path: Path) -> dict[str, Any]:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures: dict[str, Any] = json.loads(path.read_text())
+    return figures
+
+
+def _assert_common(figures: dict[str, Any], raw_phases: tuple[str, ...]) -> None:
+    work = figures["workload"]
+    assert figures["world_size"] == WORLD_SIZE
+    assert work["total_bytes"] == sum(work["share_bytes_per_rank"]) > 0
+    assert all(b > 0 for b in work["state_bytes_per_rank"])
+    for phase in CLOUDCKPT_PHASES + raw_phases:
+        assert figures["seconds"][phase] > 0, phase
+    for phase in ("save", "load", "async_total", *raw_phases):
+        assert figures["mb_per_s"][phase] > 0, phase
+    assert figures["objects"]["save"] > 2  # data, common state and the two commit records
+    for phase in ("save", "load", "async_save", "run"):
+        per_rank = figures["peak_rss_bytes"][phase]
+        assert len(per_rank) == WORLD_SIZE
+        assert all(b > 0 for b in per_rank)
+    growth = figures["peak_rss_growth_bytes"]
+    assert set(growth) == {"save", "load"}
+    assert all(len(v) == WORLD_SIZE and min(v) >= 0 for v in growth.values())
+    bound = figures["sync_save_rss_bound_bytes"]
+    assert [b > s for b, s in zip(bound, work["state_bytes_per_rank"], strict=True)] == [True] * 2
+
+
+def test_bench_local_directory_reports_every_figure_and_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    base = tmp_path / "bench"
+    base.mkdir()
+    proc = _bench("--uri", str(base), "--backend", "zarr", "--json", str(out))
+    figures = _figures(proc, out)
+    _assert_common(figures, LOCAL_RAW)
+    assert set(figures["ratios"]) == set(LOCAL_RATIOS)
+    assert all(value > 0 for value in figures["ratios"].values())
+    assert figures["requests_counted"] is False  # local files: no requests
+    assert figures["backend"] == "zarr"
+    assert "save_over_raw_write" in proc.stdout and "MB/s" in proc.stdout
+    assert list(base.iterdir()) == []  # the run's checkpoints and raw files removed
+
+
+@pytest.fixture(params=REAL_S3_CASES)
+def real_s3_bucket(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    uri, options = bucket_location(request, request.param)
+    return uri, options
+
+
+def test_bench_on_s3_counts_requests_of_save_load_and_the_raw_limit(
+    real_s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    uri, options = real_s3_bucket
+    flags = [
+        f"--storage-option={key}={json.dumps(value) if not isinstance(value, str) else value}"
+        for key, value in options.items()
+    ]
+    out = tmp_path / "figures.json"
+    proc = _bench("--uri", f"{uri}/bench", "--json", str(out), *flags)
+    figures = _figures(proc, out)
+    best = figures["raw_best"]
+    _assert_common(figures, (best["raw_put"], best["raw_get"]))
+    assert set(figures["ratios"]) == set(S3_RATIOS)
+    assert figures["backend"] == "torch_dist"
+    requests = figures["requests"]
+    assert figures["requests_counted"] is True
+    # every object of the checkpoint went up in at least one request
+    assert requests["save"] >= figures["objects"]["save"]
+    assert requests["async_total"] >= figures["objects"]["save"]
+    assert requests["load"] >= WORLD_SIZE  # every rank read its shards
+    for setting in ("boto3 x16", "boto3 x64 8MiB"):
+        # one object per rank: a PUT (or a multipart upload), then HEAD + ranged GETs
+        assert requests[f"raw_put[{setting}]"] >= WORLD_SIZE
+        assert requests[f"raw_get[{setting}]"] >= 2 * WORLD_SIZE
+
+
+def test_bench_plot_needs_matplotlib_or_draws_a_png(tmp_path: Path) -> None:
+    png = tmp_path / "bench.png"
+    proc = _bench("--uri", str(tmp_path), "--plot", str(png))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "--plot needs matplotlib: pip install 'cloudckpt[bench]'" in proc.stderr
+        assert not png.exists()
+    else:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("2GiB", 2 * 2**30), ("8MiB", 8 * 2**20), ("100MB", 10**8), ("1.5k", 1536), ("4096", 4096)],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "0", "-1MiB", "2 parsecs", "MiB"])
+def test_parse_size_refuses_non_sizes(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_workload_shares_cover_the_checkpoint_once(world_size: int) -> None:
+    spec = plan_workload(8 * 2**20, world_size)
+    shares = [rank_share(build_state(spec, r), spec, r) for r in range(world_size)]
+    keys = [key for share in shares for key in share]
+    assert len(keys) == len(set(keys))
+    nbytes = sum(t.numel() * t.element_size() for share in shares for t in share.values())
+    assert nbytes == spec.total_bytes
+    state = build_state(spec, 0)
+    dtypes = {t.dtype for t in local_tensors(state)}
+    assert dtypes == {torch.bfloat16, torch.float32}
+
+
+def test_compare_runs_the_peers_side_by_side_on_one_workload(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    peers = "torch.save,dcp fsspec,cloudckpt"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "compare.py"),
+            "--size",
+            "4MiB",
+            "--world-size",
+            "2",
+            "--targets",
+            "local",
+            "--peers",
+            peers,
+            "--json",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["not_run"] == {}
+    assert set(result["peers"]) == {f"{peer} @ local" for peer in peers.split(",")}
+    for figures in result["peers"].values():
+        assert all(figures[k] > 0 for k in ("save_s", "load_s", "save_mb_s", "load_mb_s"))
+    assert "dcp fsspec @ local" in proc.stdout and "ckpt/peer save" in proc.stdout
