@@ -1,9 +1,12 @@
 """Run a function on N local CPU ranks joined in a gloo process group.
 
 Used by ``cloudckpt demo`` and by the multi-rank tests. Ranks are real processes
-(``spawn`` start method), rendezvous goes through a file store in a temporary
-directory (no port races), and a failure on any rank is reported with that rank's
-traceback.
+(``spawn`` start method), rendezvous goes through a ``TCPStore`` that the parent
+process hosts (as torchrun's agent does: no rank hosts it, and the parent binds a free
+port itself, so there is no port race), and a failure on any rank is reported with that
+rank's traceback. A ``FileStore`` would also do, but it polls its file every 10 ms:
+cloudckpt's check-in barrier (:mod:`cloudckpt.dist_guard`) cost 28 ms per collective of
+4 ranks on one, against 10 ms on a ``TCPStore`` (9 ms without the check-in).
 
 Two entry points:
 
@@ -18,7 +21,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -29,23 +31,23 @@ from cloudckpt.errors import DistributedCheckpointError
 logger = logging.getLogger(__name__)
 
 _STOP = "__stop__"
+_STORE_HOST = "127.0.0.1"
 _AFTER_DEAD_RANK_S = 10.0  # how long the others may still report after a rank died
 
 
-def _init_group(rank: int, world_size: int, store_file: str) -> None:
+def _init_group(rank: int, world_size: int, store_port: int) -> None:
     import torch.distributed as torch_dist  # noqa: PLC0415 - imported in the rank process only
 
-    torch_dist.init_process_group(
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size
-    )
+    store = torch_dist.TCPStore(_STORE_HOST, store_port, is_master=False)  # type: ignore[attr-defined]
+    torch_dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
-def _worker(rank: int, world_size: int, store_file: str, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, store_port: int, tasks: Any, results: Any) -> None:
     """Rank main loop: take (fn, args) tasks until told to stop; report each outcome."""
     import torch.distributed as torch_dist  # noqa: PLC0415 - imported in the rank process only
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _init_group(rank, world_size, store_file)
+    _init_group(rank, world_size, store_port)
     try:
         while True:
             task = tasks.get()
@@ -58,6 +60,15 @@ def _worker(rank: int, world_size: int, store_file: str, tasks: Any, results: An
                 results.put((rank, False, traceback.format_exc()))
     finally:
         torch_dist.destroy_process_group()
+
+
+def _host_store() -> Any:
+    """A TCPStore served by this process on a free loopback port (port 0: the kernel's
+    choice, read back from the store)."""
+    import torch.distributed as torch_dist  # noqa: PLC0415 - only where ranks are started
+
+    # public in torch.distributed, which does not declare it exported
+    return torch_dist.TCPStore(_STORE_HOST, 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
 
 
 class RankPool:
@@ -75,14 +86,13 @@ class RankPool:
         self.world_size = world_size
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
-        self._tmp = tempfile.TemporaryDirectory(prefix="cloudckpt-rdzv-")
-        store_file = os.path.join(self._tmp.name, "store")
+        self._store = _host_store()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, store_file, self._tasks[r], self._results),
+                args=(r, world_size, self._store.port, self._tasks[r], self._results),
                 daemon=True,
             )
             for r in range(world_size)
@@ -171,7 +181,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
-        self._tmp.cleanup()
+        del self._store  # stops serving
 
     def __enter__(self) -> RankPool:
         return self
