@@ -20,7 +20,7 @@ import contextlib
 import logging
 import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -315,9 +315,7 @@ class SaveSession:
         layout = KeyLayout.of(self.backends.sharded_backend, self.objects_with_tensors)
         validate_key_set(keys, layout, shown, rank)
         if validate:
-            backend = self.backends.sharded_backend
-            grid = backend if backend in REGULAR_GRID_BACKENDS else None
-            validate_sharding_integrity(gathered, shown, grid)
+            validate_gathered_sharding(gathered, self.backends.sharded_backend, shown)
         return parts, common_bytes
 
     def _write(
@@ -341,6 +339,16 @@ class SaveSession:
         if not with_objects:
             results += self.common.save_objects_to(storage, objects)
         return results
+
+
+def validate_gathered_sharding(
+    gathered: Sequence[Sequence[ShardedBase]], sharded_backend: str, shown: str
+) -> None:
+    """Check the sharding of every rank's gathered shards for a save by
+    ``sharded_backend`` (zarr needs a regular grid). Pure: every rank calls it on the
+    same gathered metadata, so every rank raises the same error."""
+    grid = sharded_backend if sharded_backend in REGULAR_GRID_BACKENDS else None
+    validate_sharding_integrity(gathered, shown, grid)
 
 
 def check_common_consistency(
