@@ -26,9 +26,11 @@ once per rank on the simulating core, as a receiving rank does. Then the real fu
 * ``merge``: ``commit``'s coordinator step, ``build_manifest`` on every rank's write
   results and tensor entries, and the manifest's canonical JSON.
 
-Reported per row: seconds of each step, microseconds per (rank x tensor) of their total
-(constant when the steps grow linearly), and the pickled bytes one rank sends in each
-exchange (validation metadata, flat-shard metadata or DCP local plan, commit record).
+Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
+to one core, so other load on the machine stretches wall time, not these figures),
+microseconds per (rank x tensor) of their total (constant when the steps grow linearly),
+and the pickled bytes one rank sends in each exchange (validation metadata, flat-shard
+metadata or DCP local plan and item results, commit record).
 Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
 one core's time for what the coordinator (and, for ``gather`` and ``validate``, every rank)
 does, not a distributed run; on a shared machine they are provisional.
@@ -199,9 +201,9 @@ class Row:
 
 
 def _timed(row: Row, step: str, fn: Callable[[], _T]) -> _T:
-    started = time.perf_counter()
+    started = time.process_time()  # this process's CPU time: robust on a shared machine
     out = fn()
-    row.seconds[step] = row.seconds.get(step, 0.0) + time.perf_counter() - started
+    row.seconds[step] = row.seconds.get(step, 0.0) + time.process_time() - started
     return out
 
 
