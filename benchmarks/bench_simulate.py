@@ -39,6 +39,7 @@ does, not a distributed run; on a shared machine they are provisional.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import gc
@@ -60,6 +61,7 @@ from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 from cloudckpt.commit import build_manifest
 from cloudckpt.core import CheckpointingConfig
+from cloudckpt.dist import paused_gc
 from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
@@ -219,29 +221,39 @@ def _exchange(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
     return out
 
 
-def simulate(backend: str, world: World, tensors: int, validate: bool = True) -> Row:
-    """Run the world-size-dependent steps of one save by ``backend`` for ``world``."""
+def simulate(
+    backend: str, world: World, tensors: int, validate: bool = True, pause_gc: bool = True
+) -> Row:
+    """Run the world-size-dependent steps of one save by ``backend`` for ``world``;
+    ``pause_gc``: with the garbage collector paused where cloudckpt pauses it
+    (:func:`cloudckpt.dist.paused_gc`: the gathers and the checks of what they gather)."""
     row = Row(backend, world.size, tensors, world.tp, world.pp, world.dp)
     shards_of = rank_shards(world, tensors)
-    gathered = _exchange(
-        row,
-        "gather",
-        "sharding",
-        [[s.without_data() for s in shards_of(r)] for r in range(world.size)],
-    )
-    gc.collect()
-    if validate:
-        _timed(row, "validate", lambda: check(gathered, backend))
+    local = [[s.without_data() for s in shards_of(r)] for r in range(world.size)]
+    with _paused(pause_gc):  # SaveSession._prepare
+        gathered = _exchange(row, "gather", "sharding", local)
+        local.clear()
+        if validate:
+            _timed(row, "validate", lambda: check(gathered, backend))
+        gathered.clear()
     if backend == "zarr":
-        records = _zarr_steps(row, world, shards_of, gathered)
+        records = _zarr_steps(row, world, shards_of, pause_gc)
     else:
         records = _torch_dist_steps(row, world, shards_of)
-    records = _exchange(row, "merge", "commit", records)
-    manifest = _timed(row, "merge", lambda: build_manifest(records, CheckpointingConfig(backend)))
-    row.manifest_bytes = len(_timed(row, "merge", manifest.to_json))
+    with _paused(pause_gc):  # commit
+        records = _exchange(row, "merge", "commit", records)
+        manifest = _timed(
+            row, "merge", lambda: build_manifest(records, CheckpointingConfig(backend))
+        )
+        row.manifest_bytes = len(_timed(row, "merge", manifest.to_json))
+        records.clear()
     row.objects = len(manifest.objects)
     row.artifacts["manifest"] = manifest
     return row
+
+
+def _paused(pause_gc: bool) -> contextlib.AbstractContextManager[None]:
+    return paused_gc() if pause_gc else contextlib.nullcontext()
 
 
 def gathered_metadata(world: World, tensors: int) -> list[list[ShardedBase]]:
@@ -280,15 +292,25 @@ def check(gathered: list[list[ShardedBase]], backend: str) -> None:
 # -- zarr ------------------------------------------------------------------------------------
 
 
+def _is_flat(sh: ShardedBase) -> bool:
+    return isinstance(sh, ShardedTensor) and sh.flattened_range is not None
+
+
 def _zarr_steps(
-    row: Row,
-    world: World,
-    shards_of: Callable[[int], list[ShardedBase]],
-    gathered: list[list[ShardedBase]],
+    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
 ) -> list[Any]:
-    flat = [[s for s in g if isinstance(s, ShardedTensor) and s.flattened_range] for g in gathered]
-    flat = _exchange(row, "plan", "flat", flat)
-    plans = _timed(row, "plan", lambda: plan_flat_chunks(flat))
+    flat = [
+        [
+            s.without_data()
+            for s in shards_of(r)
+            if isinstance(s, ShardedTensor) and s.flattened_range
+        ]
+        for r in range(world.size)
+    ]
+    with _paused(pause_gc):  # ZarrSaveShardedStrategy._flat_writes
+        flat = _exchange(row, "plan", "flat", flat)
+        plans = _timed(row, "plan", lambda: plan_flat_chunks(flat))
+        flat.clear()
     row.artifacts["flat_plans"] = plans
     strategy = ZarrSaveShardedStrategy()
     records = []
@@ -448,6 +470,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--backends", nargs="+", default=["zarr", "torch_dist"])
+    parser.add_argument(
+        "--gc-on",
+        action="store_true",
+        help="leave the garbage collector on where cloudckpt pauses it (for comparison)",
+    )
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     core = pin_one_core()
@@ -457,7 +484,8 @@ def main() -> None:
     rows = []
     for backend in args.backends:
         for ranks, tensors in grid:
-            rows.append(simulate(backend, world_of(ranks, args.tp, args.pp), tensors))
+            world = world_of(ranks, args.tp, args.pp)
+            rows.append(simulate(backend, world, tensors, pause_gc=not args.gc_on))
             print(f"  {backend} {ranks} x {tensors}: {rows[-1].total:.2f} s", flush=True)
     print()
     print_table(rows)

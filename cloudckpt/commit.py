@@ -323,12 +323,14 @@ def commit(
     from cloudckpt import dist  # noqa: PLC0415 - torch only for saves, not for ls/verify/gc
 
     entries = list(results)
-    gathered = dist.all_gather_object((entries, list(tensors), list(common_keys)))
     manifest = None
-    with dist.agree(f"committing checkpoint {storage.uri!r}"):
-        if dist.get_rank() == COORDINATOR:
-            _check_claim(storage, claimed)
-            manifest = _write_commit(storage, build_manifest(gathered, backends), backends)
+    with dist.paused_gc():  # every rank's records, unpickled and merged
+        gathered = dist.all_gather_object((entries, list(tensors), list(common_keys)))
+        with dist.agree(f"committing checkpoint {storage.uri!r}"):
+            if dist.get_rank() == COORDINATOR:
+                _check_claim(storage, claimed)
+                manifest = _write_commit(storage, build_manifest(gathered, backends), backends)
+        del gathered  # before the collector runs again
     return manifest
 
 

@@ -304,8 +304,14 @@ class SaveSession:
             ]
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)
-        rank = dist.get_rank()
-        # every rank checks the same gathered keys, so every rank raises the same error
+        with dist.paused_gc():  # every rank's metadata, unpickled and checked
+            self._check_every_rank(local, validate)
+        return parts, common_bytes
+
+    def _check_every_rank(self, local: list[ShardedBase], validate: bool) -> None:
+        """Gather every rank's keys (``validate``: and sharding metadata) and check them.
+        Every rank checks the same gathered metadata, so every rank raises the same error."""
+        shown, rank = self.storage.uri, dist.get_rank()
         gathered: list[list[ShardedBase]] = []
         if validate:
             gathered = dist.all_gather_object(local)
@@ -316,7 +322,6 @@ class SaveSession:
         validate_key_set(keys, layout, shown, rank)
         if validate:
             validate_gathered_sharding(gathered, self.backends.sharded_backend, shown)
-        return parts, common_bytes
 
     def _write(
         self,
