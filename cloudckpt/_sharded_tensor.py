@@ -432,4 +432,4 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     """
     if isinstance(replica_id, int):
         return replica_id == 0
-    return all(r == 0 for r in replica_id)
+    return not any(replica_id)  # every (integer) index is 0

@@ -39,7 +39,6 @@ from cloudckpt.manifest import (
     MANIFEST_FNAME,
     MANIFEST_VERSION,
     Manifest,
-    ManifestEntry,
     TensorEntry,
     merge_entries,
 )
@@ -324,16 +323,36 @@ def commit(
     from cloudckpt import dist  # noqa: PLC0415 - torch only for saves, not for ls/verify/gc
 
     entries = list(results)
-    gathered = dist.all_gather_object((entries, list(tensors), list(common_keys)))
     manifest = None
-    with dist.agree(f"committing checkpoint {storage.uri!r}"):
-        if dist.get_rank() == COORDINATOR:
-            per_rank = [rank_entries for rank_entries, _, _ in gathered]
-            all_tensors = {t.key: t for _, rank_tensors, _ in gathered for t in rank_tensors}
-            keys = sorted({k for _, _, rank_keys in gathered for k in rank_keys})
-            _check_claim(storage, claimed)
-            manifest = _write_commit(storage, per_rank, backends, list(all_tensors.values()), keys)
+    with dist.paused_gc():  # every rank's records, unpickled and merged
+        gathered = dist.all_gather_object((entries, list(tensors), list(common_keys)))
+        with dist.agree(f"committing checkpoint {storage.uri!r}"):
+            if dist.get_rank() == COORDINATOR:
+                _check_claim(storage, claimed)
+                manifest = _write_commit(storage, build_manifest(gathered, backends), backends)
+        del gathered  # before the collector runs again
     return manifest
+
+
+GatheredCommit = Sequence[tuple[Sequence[WriteResult], Sequence[TensorEntry], Sequence[str]]]
+"""What :func:`commit` gathers: per rank, its write results, tensors and common keys."""
+
+
+def build_manifest(gathered: GatheredCommit, backends: CheckpointingConfig) -> Manifest:
+    """The coordinator's merge of every rank's commit record into the manifest (pure).
+
+    Raises:
+        ManifestError: two ranks report different results for one object path.
+    """
+    tensors = {t.key: t for _, rank_tensors, _ in gathered for t in rank_tensors}
+    return Manifest(
+        objects=tuple(merge_entries(entries for entries, _, _ in gathered)),
+        tensors=tuple(tensors.values()),
+        common_keys=tuple(sorted({k for _, _, rank_keys in gathered for k in rank_keys})),
+        world_size=len(gathered),
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        backends=asdict(backends),
+    )
 
 
 def _check_claim(storage: CheckpointStorage, claimed: WriteResult | None) -> None:
@@ -351,20 +370,8 @@ def _check_claim(storage: CheckpointStorage, claimed: WriteResult | None) -> Non
 
 
 def _write_commit(
-    storage: CheckpointStorage,
-    per_rank: list[list[ManifestEntry]],
-    backends: CheckpointingConfig,
-    tensors: Sequence[TensorEntry],
-    common_keys: Sequence[str],
+    storage: CheckpointStorage, manifest: Manifest, backends: CheckpointingConfig
 ) -> Manifest:
-    manifest = Manifest(
-        objects=tuple(merge_entries(per_rank)),
-        tensors=tuple(tensors),
-        common_keys=tuple(common_keys),
-        world_size=len(per_rank),
-        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        backends=asdict(backends),
-    )
     try:
         storage.write(MANIFEST_FNAME, manifest.to_json(), exclusive=True)
     except ObjectExistsError as exc:

@@ -102,10 +102,10 @@ def gather_keys(per_rank: Mapping[int, Iterable[ShardedBase]]) -> KeySet:
     objects: dict[str, set[int]] = defaultdict(set)
     for rank, shards in per_rank.items():
         for shard in shards:
-            if isinstance(shard, ShardedObject):
-                objects[shard.unique_key].add(rank)
-            elif isinstance(shard, ShardedTensor):
+            if isinstance(shard, ShardedTensor):  # the common case first (ABC checks cost)
                 tensors[shard.key].add(rank)
+            elif isinstance(shard, ShardedObject):
+                objects[shard.unique_key].add(rank)
     return _sorted(tensors), _sorted(objects)
 
 

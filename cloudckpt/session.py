@@ -20,7 +20,7 @@ import contextlib
 import logging
 import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -304,8 +304,14 @@ class SaveSession:
             ]
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)
-        rank = dist.get_rank()
-        # every rank checks the same gathered keys, so every rank raises the same error
+        with dist.paused_gc():  # every rank's metadata, unpickled and checked
+            self._check_every_rank(local, validate)
+        return parts, common_bytes
+
+    def _check_every_rank(self, local: list[ShardedBase], validate: bool) -> None:
+        """Gather every rank's keys (``validate``: and sharding metadata) and check them.
+        Every rank checks the same gathered metadata, so every rank raises the same error."""
+        shown, rank = self.storage.uri, dist.get_rank()
         gathered: list[list[ShardedBase]] = []
         if validate:
             gathered = dist.all_gather_object(local)
@@ -315,10 +321,7 @@ class SaveSession:
         layout = KeyLayout.of(self.backends.sharded_backend, self.objects_with_tensors)
         validate_key_set(keys, layout, shown, rank)
         if validate:
-            backend = self.backends.sharded_backend
-            grid = backend if backend in REGULAR_GRID_BACKENDS else None
-            validate_sharding_integrity(gathered, shown, grid)
-        return parts, common_bytes
+            validate_gathered_sharding(gathered, self.backends.sharded_backend, shown)
 
     def _write(
         self,
@@ -341,6 +344,16 @@ class SaveSession:
         if not with_objects:
             results += self.common.save_objects_to(storage, objects)
         return results
+
+
+def validate_gathered_sharding(
+    gathered: Sequence[Sequence[ShardedBase]], sharded_backend: str, shown: str
+) -> None:
+    """Check the sharding of every rank's gathered shards for a save by
+    ``sharded_backend`` (zarr needs a regular grid). Pure: every rank calls it on the
+    same gathered metadata, so every rank raises the same error."""
+    grid = sharded_backend if sharded_backend in REGULAR_GRID_BACKENDS else None
+    validate_sharding_integrity(gathered, shown, grid)
 
 
 def check_common_consistency(

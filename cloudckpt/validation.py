@@ -23,8 +23,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import operator
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -189,12 +190,28 @@ def chunk_shape(sh: ShardedTensor) -> tuple[int, ...]:
 
 def chunk_index(sh: ShardedTensor) -> tuple[int, ...] | None:
     """The shard's index in the chunk grid, or None if it is not aligned to the grid."""
-    shape = chunk_shape(sh)
-    if any(off % size for off, size in zip(sh.global_offset, shape, strict=True) if size):
+    return _grid_indexer(chunk_shape(sh))(tuple(sh.global_offset))
+
+
+def _grid_indexer(shape: tuple[int, ...]) -> Callable[[tuple[int, ...]], tuple[int, ...] | None]:
+    """``offset -> chunk index`` in the grid of chunks of ``shape`` (None when the offset
+    is not on the grid), as :func:`chunk_index` computes it for every shard of one local
+    shape, without the per-shard setup."""
+    if all(shape):
+
+        def index(offset: tuple[int, ...]) -> tuple[int, ...] | None:
+            if any(map(operator.mod, offset, shape)):
+                return None
+            return tuple(map(operator.floordiv, offset, shape))
+
+        return index
+    return lambda offset: _chunk_index(offset, shape)
+
+
+def _chunk_index(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    if any(off % size for off, size in zip(offset, shape, strict=True) if size):
         return None
-    return tuple(
-        off // size if size else 0 for off, size in zip(sh.global_offset, shape, strict=True)
-    )
+    return tuple(off // size if size else 0 for off, size in zip(offset, shape, strict=True))
 
 
 def _describe(ranks: Iterable[int]) -> str:
@@ -202,6 +219,13 @@ def _describe(ranks: Iterable[int]) -> str:
 
 
 def _metadata_violations(key: str, entries: list[RankShard]) -> list[str]:
+    shards: list[ShardedTensor] = [sh for _, sh in entries]  # type: ignore[misc]
+    if (
+        len({sh.dtype for sh in shards}) == 1
+        and len({tuple(sh.global_shape) for sh in shards}) == 1
+        and len({sh.flattened_range is None for sh in shards}) == 1
+    ):
+        return []  # the common case, checked in one pass per attribute
     out = []
     for attr in ("dtype", "global_shape"):
         values: dict[object, list[int]] = defaultdict(list)
@@ -231,11 +255,12 @@ def _tensor_violations(
     grid = tuple(
         math.ceil(g / c) if c else 1 for g, c in zip(first.global_shape, shape, strict=True)
     )
+    index_of = _grid_indexer(shape)
     cells: dict[tuple[int, ...], list[RankShard]] = defaultdict(list)
     for rank, sh in entries:
         assert isinstance(sh, ShardedTensor)
-        index = chunk_index(sh)
-        if index is None or any(i >= n for i, n in zip(index, grid, strict=True)):
+        index = index_of(sh.global_offset)
+        if index is None or not all(map(operator.lt, index, grid)):
             out.append(
                 f"tensor {key!r}: shard on rank {rank} at offset {tuple(sh.global_offset)} is not "
                 f"aligned to the chunk grid of local shape {shape} in global shape "

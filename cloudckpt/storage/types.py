@@ -26,6 +26,12 @@ class WriteResult:
     crc32c: int
     blocks: BlockCrcs | None = None
 
+    def __reduce__(self) -> tuple[type[WriteResult], tuple[str, int, int, BlockCrcs | None]]:
+        # pickled by its fields: unpickles several times faster than a slotted
+        # dataclass's default (its __setstate__ looks the fields up per object), which
+        # matters when a commit gathers every rank's results
+        return WriteResult, (self.path, self.size, self.crc32c, self.blocks)
+
 
 @dataclass(frozen=True, slots=True)
 class OpenUpload:

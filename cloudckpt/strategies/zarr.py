@@ -186,15 +186,17 @@ class ZarrSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
 
     def _flat_writes(self, tensors: list[ShardedTensor], chunk_size: int | None) -> list[Write]:
         """Assemble flattened chunks on their planned ranks and return the writes."""
-        gathered = dist.all_gather_object([t.without_data() for t in tensors])
         mine: dict[ChunkId, dict[int, ShardedTensor]] = defaultdict(dict)
-        with dist.agree("planning the assembly of flattened chunks"):  # peers must not wait
-            for t in tensors:
-                if is_main_replica(t.replica_id):
-                    mine[(t.key, _require_index(t))][t.flattened_range.start] = t  # type: ignore[union-attr]
-            buffers, sends, recvs = _exchange_plan(
-                plan_flat_chunks(gathered), mine, dist.get_rank()
-            )
+        with dist.paused_gc():  # every rank's flat shards, unpickled and planned
+            gathered = dist.all_gather_object([t.without_data() for t in tensors])
+            with dist.agree("planning the assembly of flattened chunks"):  # peers must not wait
+                for t in tensors:
+                    if is_main_replica(t.replica_id):
+                        mine[(t.key, _require_index(t))][t.flattened_range.start] = t  # type: ignore[union-attr]
+                buffers, sends, recvs = _exchange_plan(
+                    plan_flat_chunks(gathered), mine, dist.get_rank()
+                )
+            del gathered  # before the collector runs again
         dist.exchange_tensors(sends, recvs)
         writes: list[Write] = []
         for plan, buffer in buffers:

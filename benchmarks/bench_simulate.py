@@ -1,0 +1,498 @@
+"""Scale past this machine by simulation: the world-size-dependent steps of one save,
+for thousands of simulated ranks, on one core, with metadata only (no processes, no data).
+
+    .venv/bin/python benchmarks/bench_simulate.py                           # the grid below
+    .venv/bin/python benchmarks/bench_simulate.py --ranks 4096 --tensors 2000 --tp 8 --pp 8
+    .venv/bin/python benchmarks/bench_simulate.py --ranks 64 128 --tensors 500 --json out.json
+
+The process pins itself to one core (``os.sched_setaffinity``). Each simulated rank holds
+a GPT-like layout of a TP x PP x DP job (``--tp``/``--pp``, DP = ranks / (TP x PP); ranks
+ordered tp fastest, then dp, then pp): per layer of its pipeline stage, four weights
+(column- and row-parallel ones split over TP, a layer norm replicated over TP) as
+ShardedTensors replicated over DP (``replica_id``), and each weight's two Adam moments as
+distributed-optimizer shards (``flattened_range``: a DP slice of the TP shard), plus one
+ShardedObject (``rng_state``). The inputs of each step are what the real collectives
+deliver: each rank's payload is pickled as ``all_gather_object`` pickles it, and unpickled
+once per rank on the simulating core, as a receiving rank does. Then the real functions run:
+
+* ``gather``: unpickling every rank's sharding metadata (``SaveSession._prepare``'s
+  ``all_gather_object``), the cost every rank pays for the exchange;
+* ``validate``: ``gather_keys`` + ``validate_key_set`` + ``validate_gathered_sharding``,
+  what every rank runs on the gathered metadata before anything is written;
+* ``plan``: zarr: ``plan_flat_chunks`` on every rank's flattened shards (the assembly of
+  distributed-optimizer chunks); torch_dist: DCP's coordinator step with cloudckpt's planner
+  and writer (``create_global_plan``, ``prepare_global_plan``) on every rank's local plan,
+  then ``finish`` (``.metadata`` from every rank's item results, into ``memory://``);
+* ``merge``: ``commit``'s coordinator step, ``build_manifest`` on every rank's write
+  results and tensor entries, and the manifest's canonical JSON.
+
+Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
+to one core, so other load on the machine stretches wall time, not these figures),
+microseconds per (rank x tensor) of their total (constant when the steps grow linearly),
+and the pickled bytes one rank sends in each exchange (validation metadata, flat-shard
+metadata or DCP local plan and item results, commit record).
+Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
+one core's time for what the coordinator (and, for ``gather`` and ``validate``, every rank)
+does, not a distributed run; on a shared machine they are provisional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import gc
+import json
+import math
+import os
+import pickle
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
+
+from cloudckpt.commit import build_manifest
+from cloudckpt.core import CheckpointingConfig
+from cloudckpt.dist import paused_gc
+from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
+from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
+from cloudckpt.session import validate_gathered_sharding
+from cloudckpt.storage import WriteResult, open_checkpoint
+from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
+from cloudckpt.strategies._zarr_format import ZARRAY, shard_chunk_indices
+from cloudckpt.strategies.torch import (
+    TorchDistSaveShardedStrategy,
+    _PackedObjectsSavePlanner,
+    to_dcp_state_dict,
+)
+from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy, _array_meta
+from cloudckpt.validation import chunk_index
+
+_T = TypeVar("_T")
+WEIGHTS = (  # (name, local shape for hidden size h and TP, axis split over TP or None)
+    ("self_attention.linear_qkv.weight", lambda h, tp: (3 * h // tp, h), 0),
+    ("self_attention.linear_proj.weight", lambda h, tp: (h, h // tp), 1),
+    ("mlp.linear_fc1.weight", lambda h, tp: (4 * h // tp, h), 0),
+    ("input_layernorm.weight", lambda h, tp: (h,), None),
+)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+URI = "s3://simulated/ckpt"
+
+
+@dataclass(frozen=True)
+class World:
+    """A TP x PP x DP job; rank = tp + TP * (dp + DP * pp)."""
+
+    tp: int
+    pp: int
+    dp: int
+    hidden: int = 1024
+
+    @property
+    def size(self) -> int:
+        """Ranks."""
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp, pp, dp) of ``rank``."""
+        return rank % self.tp, rank // (self.tp * self.dp), rank // self.tp % self.dp
+
+
+def _stage_template(world: World, tp: int, pp: int, tensors: int) -> list[ShardedBase]:
+    """The shards of DP rank 0 at (tp, pp), built with the real constructors (meta data)."""
+    out: list[ShardedBase] = []
+    layer = 0
+    while len(out) < tensors:
+        prefix = f"decoder.layers.{pp * 100000 + layer}"
+        for name, shape_of, axis in WEIGHTS:
+            local = shape_of(world.hidden, world.tp)
+            split = ((axis, tp, world.tp),) if axis is not None else ()
+            tp_replica = tp if axis is None else 0
+            data = torch.empty(local, dtype=torch.bfloat16, device="meta")
+            key = f"{prefix}.{name}"
+            out.append(
+                ShardedTensor.from_rank_offsets(key, data, *split, replica_id=(0, tp_replica, 0))
+            )
+            numel = math.prod(local)
+            for moment in MOMENTS:
+                piece = torch.empty(numel // world.dp, dtype=torch.float32, device="meta")
+                out.append(
+                    ShardedTensor.from_rank_offsets_flat(
+                        f"optimizer.state.{moment}.{key}",
+                        piece,
+                        local,
+                        *split,
+                        replica_id=(0, tp_replica, 0),
+                        flattened_range=slice(0, numel // world.dp),
+                    )
+                )
+        layer += 1
+    del out[tensors:]
+    out.append(ShardedObject("rng_state", None, (world.pp, world.tp), (pp, tp), replica_id=0))
+    return out
+
+
+def _for_dp(template: list[ShardedBase], world: World, dp: int) -> list[ShardedBase]:
+    """DP rank ``dp``'s shards: the template's, with its replica ids and flat ranges
+    (copies, as a rank's own constructors would make them)."""
+    out = []
+    for shard in template:
+        sh = copy.copy(shard)
+        if isinstance(sh, ShardedObject):
+            sh.replica_id = dp
+        elif isinstance(sh, ShardedTensor):
+            rng = sh.flattened_range
+            if rng is None:
+                main, tp_replica, _ = sh.replica_id  # type: ignore[misc]
+                sh.replica_id = (main, tp_replica, dp)
+            else:
+                n = rng.stop - rng.start
+                sh.flattened_range = slice(dp * n, (dp + 1) * n)
+        out.append(sh)
+    return out
+
+
+def rank_shards(world: World, tensors: int) -> Callable[[int], list[ShardedBase]]:
+    """rank -> its shards (with meta data), templates cached per (tp, pp)."""
+    templates: dict[tuple[int, int], list[ShardedBase]] = {}
+
+    def shards(rank: int) -> list[ShardedBase]:
+        tp, pp, dp = world.coords(rank)
+        if (tp, pp) not in templates:
+            templates[(tp, pp)] = _stage_template(world, tp, pp, tensors)
+        return _for_dp(templates[(tp, pp)], world, dp)
+
+    return shards
+
+
+@dataclass
+class Row:
+    """One measured world."""
+
+    backend: str
+    ranks: int
+    tensors: int
+    tp: int
+    pp: int
+    dp: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_per_rank: dict[str, int] = field(default_factory=dict)
+    objects: int = 0
+    manifest_bytes: int = 0
+    artifacts: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The manifest, and the flat-chunk plans (zarr) or DCP metadata (torch_dist)."""
+
+    @property
+    def total(self) -> float:
+        """Seconds of all steps."""
+        return sum(self.seconds.values())
+
+    @property
+    def us_per_rank_tensor(self) -> float:
+        """Microseconds of all steps per (rank x tensor)."""
+        return self.total / (self.ranks * self.tensors) * 1e6
+
+
+def _timed(row: Row, step: str, fn: Callable[[], _T]) -> _T:
+    started = time.process_time()  # this process's CPU time: robust on a shared machine
+    out = fn()
+    row.seconds[step] = row.seconds.get(step, 0.0) + time.process_time() - started
+    return out
+
+
+def _exchange(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
+    """Pickle each rank's payload (its bytes are what it sends), unpickle it (timed, as
+    a receiving rank of ``all_gather_object`` does)."""
+    out = []
+    gc.collect()
+    for payload in payloads:
+        raw = pickle.dumps(payload)
+        row.bytes_per_rank[name] = max(row.bytes_per_rank.get(name, 0), len(raw))
+        out.append(_timed(row, step, functools.partial(pickle.loads, raw)))
+    return out
+
+
+def simulate(
+    backend: str, world: World, tensors: int, validate: bool = True, pause_gc: bool = True
+) -> Row:
+    """Run the world-size-dependent steps of one save by ``backend`` for ``world``;
+    ``pause_gc``: with the garbage collector paused where cloudckpt pauses it
+    (:func:`cloudckpt.dist.paused_gc`: the gathers and the checks of what they gather)."""
+    row = Row(backend, world.size, tensors, world.tp, world.pp, world.dp)
+    shards_of = rank_shards(world, tensors)
+    local = [[s.without_data() for s in shards_of(r)] for r in range(world.size)]
+    with _paused(pause_gc):  # SaveSession._prepare
+        gathered = _exchange(row, "gather", "sharding", local)
+        local.clear()
+        if validate:
+            _timed(row, "validate", lambda: check(gathered, backend))
+        gathered.clear()
+    if backend == "zarr":
+        records = _zarr_steps(row, world, shards_of, pause_gc)
+    else:
+        records = _torch_dist_steps(row, world, shards_of)
+    with _paused(pause_gc):  # commit
+        records = _exchange(row, "merge", "commit", records)
+        manifest = _timed(
+            row, "merge", lambda: build_manifest(records, CheckpointingConfig(backend))
+        )
+        row.manifest_bytes = len(_timed(row, "merge", manifest.to_json))
+        records.clear()
+    row.objects = len(manifest.objects)
+    row.artifacts["manifest"] = manifest
+    return row
+
+
+def _paused(pause_gc: bool) -> contextlib.AbstractContextManager[None]:
+    return paused_gc() if pause_gc else contextlib.nullcontext()
+
+
+def gathered_metadata(world: World, tensors: int) -> list[list[ShardedBase]]:
+    """Every rank's shards without data (what the validation gathers), not pickled."""
+    shards_of = rank_shards(world, tensors)
+    return [[s.without_data() for s in shards_of(r)] for r in range(world.size)]
+
+
+def materialize(shards: list[ShardedBase]) -> dict[str, ShardedBase]:
+    """A real rank's state dict of ``shards``: zeros where the layout has meta data."""
+    state: dict[str, ShardedBase] = {}
+    for i, shard in enumerate(shards):
+        sh = copy.copy(shard)
+        if isinstance(sh, ShardedTensor):
+            rng = sh.flattened_range
+            shape = sh.local_shape if rng is None else (rng.stop - rng.start,)
+            sh.data = torch.zeros(shape, dtype=sh.dtype)
+        else:
+            sh.data = {"seed": i}
+        state[f"{sh.key}.{i}"] = sh
+    return state
+
+
+def check(gathered: list[list[ShardedBase]], backend: str) -> None:
+    """What every rank runs on the gathered metadata of a save (``SaveSession._prepare``)."""
+    objects_with_tensors = backend == "torch_dist"
+    validate_key_set(
+        gather_keys(dict(enumerate(gathered))),
+        KeyLayout.of(backend, objects_with_tensors),
+        URI,
+        0,
+    )
+    validate_gathered_sharding(gathered, backend, URI)
+
+
+# -- zarr ------------------------------------------------------------------------------------
+
+
+def _is_flat(sh: ShardedBase) -> bool:
+    return isinstance(sh, ShardedTensor) and sh.flattened_range is not None
+
+
+def _zarr_steps(
+    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
+) -> list[Any]:
+    flat = [
+        [
+            s.without_data()
+            for s in shards_of(r)
+            if isinstance(s, ShardedTensor) and s.flattened_range
+        ]
+        for r in range(world.size)
+    ]
+    with _paused(pause_gc):  # ZarrSaveShardedStrategy._flat_writes
+        flat = _exchange(row, "plan", "flat", flat)
+        plans = _timed(row, "plan", lambda: plan_flat_chunks(flat))
+        flat.clear()
+    row.artifacts["flat_plans"] = plans
+    strategy = ZarrSaveShardedStrategy()
+    records = []
+    for rank in range(world.size):
+        shards = shards_of(rank)
+        tensors = [s for s in shards if isinstance(s, ShardedTensor)]
+        records.append(
+            (zarr_writes(rank, shards, plans), strategy.tensor_entries(tensors), ["optimizer"])
+        )
+    return records
+
+
+def zarr_writes(
+    rank: int, shards: list[ShardedBase], plans: list[FlatChunkPlan]
+) -> list[WriteResult]:
+    """The objects ``rank`` writes in a zarr save (paths and sizes as the strategy names
+    them; CRCs made up): its main-replica chunks, the flat chunks it assembles, the
+    ``.zarray`` of chunk 0, and its main-replica ShardedObjects' files."""
+    chunk_size = ZarrSaveShardedStrategy().chunk_size
+    assembled = {(p.key, p.index) for p in plans if p.assembler == rank}
+    out = []
+    for sh in shards:
+        if isinstance(sh, ShardedObject):
+            if is_main_replica(sh.replica_id):
+                out.append(_result(f"{sh.unique_key}.pt", 1024))
+            continue
+        assert isinstance(sh, ShardedTensor)
+        index = chunk_index(sh)
+        assert index is not None
+        if sh.flattened_range is not None:
+            if (sh.key, index) not in assembled:
+                continue
+            assembled.discard((sh.key, index))
+        elif not is_main_replica(sh.replica_id):
+            continue
+        meta = _array_meta(sh, chunk_size)
+        if not any(index):
+            out.append(_result(f"{sh.key}/{ZARRAY}", len(meta.to_json())))
+        for chunk in shard_chunk_indices(index, tuple(sh.local_shape), meta.chunks):
+            out.append(_result(f"{sh.key}/{meta.chunk_key(chunk)}", meta.chunk_nbytes))
+    return out
+
+
+def _result(path: str, size: int) -> WriteResult:
+    return WriteResult(path, size, zlib.crc32(path.encode()))
+
+
+# -- torch_dist --------------------------------------------------------------------------------
+
+
+def _torch_dist_steps(
+    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]]
+) -> list[Any]:
+    strategy = TorchDistSaveShardedStrategy()
+    storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
+    writers, planners, local_plans = [], [], []
+    for rank in range(world.size):
+        writer, planner, plan = dcp_local_step(rank, shards_of(rank), storage)
+        writers.append(writer)
+        planners.append(planner)
+        local_plans.append(plan)
+    local_plans = _exchange(row, "plan", "dcp_plan", local_plans)
+    coordinator, writer = planners[0], writers[0]
+    plans, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(local_plans))
+    plans = _timed(row, "plan", lambda: writer.prepare_global_plan(plans))
+    item_results = _exchange(row, "plan", "dcp_results", [dcp_item_results(p) for p in plans])
+    _timed(row, "plan", lambda: writer.finish(metadata, item_results))
+    row.artifacts["dcp_metadata"] = writer.metadata
+    records = []
+    for rank in range(world.size):
+        tensors = [s for s in shards_of(rank) if isinstance(s, ShardedTensor)]
+        results = [r for r in {i.storage_data.relative_path for i in item_results[rank]}]
+        written = [_result(path, 1 << 20) for path in sorted(results)]
+        if rank == 0:
+            written.append(_result(".metadata", writer.results[-1].size))
+        records.append((written, strategy.tensor_entries(tensors), ["optimizer"]))
+    storage.delete(METADATA_FNAME)
+    return records
+
+
+def dcp_local_step(
+    rank: int, shards: list[ShardedBase], storage: Any
+) -> tuple[CloudStorageWriter, _PackedObjectsSavePlanner, SavePlan]:
+    """DCP's local step of ``rank`` with cloudckpt's planner and writer (as ``dcp_save``)."""
+    state, extra = to_dcp_state_dict({str(i): s for i, s in enumerate(shards)})
+    writer = CloudStorageWriter(storage, mcore_data=extra)
+    planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner.set_up_planner(state, writer.storage_meta(), rank == 0)
+    writer.set_up_storage_writer(rank == 0)
+    return writer, planner, writer.prepare_local_plan(planner.create_local_plan())
+
+
+def dcp_item_results(plan: SavePlan) -> list[DcpWriteResult]:
+    """The item results ``write_data`` returns for ``plan`` (one ``.distcp`` object per
+    256 items, as for small items packed into objects)."""
+    prefix = plan.storage_data.prefix
+    out = []
+    for i, item in enumerate(plan.items):
+        index: MetadataIndex = item.index
+        info = _StorageInfo(f"{prefix}{i // 256}.distcp", (i % 256) * 4096, 4096)
+        out.append(DcpWriteResult(index, 4096, info))
+    return out
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+def world_of(ranks: int, tp: int, pp: int) -> World:
+    """The world of ``ranks`` with the given TP and PP (smaller ones when ranks is small)."""
+    tp = min(tp, ranks)
+    pp = min(pp, ranks // tp)
+    if ranks % (tp * pp):
+        raise SystemExit(f"--ranks {ranks} is not a multiple of TP x PP = {tp * pp}")
+    return World(tp, pp, ranks // (tp * pp))
+
+
+def print_table(rows: list[Row]) -> None:
+    """Seconds per step, us per (rank x tensor), bytes per rank; ratios to the first row."""
+    steps = ["gather", "validate", "plan", "merge"]
+    head = f"{'backend':10} {'ranks':>5} {'tensors':>7} {'TPxPPxDP':>10} "
+    head += " ".join(f"{s + ' s':>10}" for s in steps)
+    head += f" {'total s':>8} {'us/r*t':>7} {'x 1st':>6}"
+    head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10}"
+    print(head)
+    base: dict[str, float] = {}
+    for row in rows:
+        base.setdefault(row.backend, row.us_per_rank_tensor)
+        sent = row.bytes_per_rank
+        plan_bytes = sent.get("flat", 0) + sent.get("dcp_plan", 0) + sent.get("dcp_results", 0)
+        print(
+            f"{row.backend:10} {row.ranks:>5} {row.tensors:>7} "
+            f"{f'{row.tp}x{row.pp}x{row.dp}':>10} "
+            + " ".join(f"{row.seconds.get(s, 0.0):>10.3f}" for s in steps)
+            + f" {row.total:>8.2f} {row.us_per_rank_tensor:>7.2f}"
+            + f" {row.us_per_rank_tensor / base[row.backend]:>6.2f}"
+            + f" {sent.get('sharding', 0):>21,} {plan_bytes:>10,} {sent.get('commit', 0):>10,}"
+        )
+
+
+def _json_row(row: Row) -> dict[str, Any]:
+    doc = {f.name: getattr(row, f.name) for f in fields(row) if f.name != "artifacts"}
+    return {**doc, "total": row.total, "us_per_rank_tensor": row.us_per_rank_tensor}
+
+
+def pin_one_core() -> int:
+    """Pin this process to one of its cores; return that core."""
+    core = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    return core
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 256, 512])
+    parser.add_argument("--tensors", type=int, nargs="+", default=[500, 1000, 2000])
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=8)
+    parser.add_argument("--backends", nargs="+", default=["zarr", "torch_dist"])
+    parser.add_argument(
+        "--gc-on",
+        action="store_true",
+        help="leave the garbage collector on where cloudckpt pauses it (for comparison)",
+    )
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args()
+    core = pin_one_core()
+    print(f"pinned to core {core} (os.sched_setaffinity); seconds on one core, provisional")
+    grid = [(r, max(args.tensors)) for r in args.ranks]
+    grid += [(max(args.ranks), t) for t in args.tensors if t != max(args.tensors)]
+    rows = []
+    for backend in args.backends:
+        for ranks, tensors in grid:
+            world = world_of(ranks, args.tp, args.pp)
+            rows.append(simulate(backend, world, tensors, pause_gc=not args.gc_on))
+            print(f"  {backend} {ranks} x {tensors}: {rows[-1].total:.2f} s", flush=True)
+    print()
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump([_json_row(r) for r in rows], out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""benchmarks/bench_simulate.py agrees with the real thing: the manifest (zarr) and the
+DCP ``.metadata`` (torch_dist) it simulates for a 4-rank TP x DP layout are those a real
+4-rank save of that layout writes, and the validation it runs catches an overlap and a
+missing shard injected into the simulated ranks' metadata."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+
+import cloudckpt
+from cloudckpt.errors import ShardingValidationError
+from cloudckpt.manifest import MANIFEST_FNAME, Manifest
+from cloudckpt.mapping import ShardedTensor
+from cloudckpt.storage import open_checkpoint
+from cloudckpt.strategies._dcp_storage import read_metadata
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_simulate as sim
+
+WORLD = sim.World(tp=2, pp=1, dp=2, hidden=16)  # the rank pool's 4 ranks
+TENSORS = 13  # one layer and a bit: every kind of weight and moment
+OWN_FILES = {MANIFEST_FNAME, ".cloudckpt-claim.json", "common.pt", "metadata.json"}
+
+
+def _save_layout(rank: int, world: int, uri: str, backend: str) -> None:
+    assert world == WORLD.size
+    shards = sim.rank_shards(WORLD, TENSORS)(rank)
+    cloudckpt.save(sim.materialize(shards), uri, sharded_strategy=(backend, 1))
+
+
+def _stored(manifest: Manifest, sizes: bool) -> dict[str, int]:
+    """Path -> size of the data objects (sizes of pickled objects left out: -1)."""
+    return {
+        e.path: e.size if sizes and not e.path.endswith(".pt") else -1
+        for e in manifest.objects
+        if e.path not in OWN_FILES
+    }
+
+
+def test_simulated_zarr_manifest_is_the_real_one(rank_pool, tmp_path):
+    uri = str(tmp_path / "zarr")
+    rank_pool.run(_save_layout, uri, "zarr")
+    real = Manifest.from_json(open_checkpoint(uri).read(MANIFEST_FNAME))
+    simulated = sim.simulate("zarr", WORLD, TENSORS).artifacts["manifest"]
+    assert _stored(simulated, sizes=True) == _stored(real, sizes=True)
+    assert simulated.tensors == real.tensors
+    assert simulated.world_size == real.world_size == 4
+    flat_chunks = {
+        (path.rpartition("/")[0], tuple(int(i) for i in path.rpartition("/")[2].split(".")))
+        for path in _stored(real, sizes=False)
+        if path.startswith("optimizer.") and not path.endswith(".zarray")
+    }
+    plans = sim.simulate("zarr", WORLD, TENSORS).artifacts["flat_plans"]
+    assert {(p.key, p.index) for p in plans} == flat_chunks
+
+
+def test_simulated_dcp_metadata_is_the_real_one(rank_pool, tmp_path):
+    uri = str(tmp_path / "dcp")
+    rank_pool.run(_save_layout, uri, "torch_dist")
+    real = read_metadata(open_checkpoint(uri))
+    row = sim.simulate("torch_dist", WORLD, TENSORS)
+    simulated = row.artifacts["dcp_metadata"]
+    assert simulated.state_dict_metadata == real.state_dict_metadata
+    assert simulated.mcore_data == real.mcore_data  # type: ignore[attr-defined]
+    assert set(simulated.storage_data) == set(real.storage_data)
+    manifest = row.artifacts["manifest"]
+    assert manifest.tensors == Manifest.from_json(open_checkpoint(uri).read(MANIFEST_FNAME)).tensors
+
+
+@pytest.mark.parametrize("backend", ["zarr", "torch_dist"])
+def test_simulated_layout_is_valid(backend):
+    sim.check(sim.gathered_metadata(sim.World(tp=4, pp=2, dp=4), 40), backend)
+
+
+def test_validation_catches_an_injected_overlap_and_a_missing_shard():
+    world = sim.World(tp=4, pp=2, dp=4)
+    gathered = sim.gathered_metadata(world, 40)
+    victim = next(s for s in gathered[0] if isinstance(s, ShardedTensor) and not s.flattened_range)
+    replica = copy.copy(victim)
+    replica.replica_id = 0  # a DP replica that claims to be main as well
+    gathered[world.tp].append(replica)  # dp = 1, same tp and pp
+    flat = next(s for s in gathered[1] if isinstance(s, ShardedTensor) and s.flattened_range)
+    gathered[1].remove(flat)
+    with pytest.raises(ShardingValidationError) as err:
+        sim.check(gathered, "zarr")
+    problems = err.value.violations
+    assert len(problems) == 2, problems
+    assert any(
+        f"tensor {victim.key!r}: chunk " in p and "saved by 2 main replicas (ranks 0, 4)" in p
+        for p in problems
+    ), problems
+    rng = flat.flattened_range
+    assert any(
+        f"tensor {flat.key!r}" in p and f"elements [{rng.start}, {rng.stop}) are not saved" in p
+        for p in problems
+    ), problems
