@@ -219,8 +219,6 @@ def resharded_reads(base: str, options: dict[str, Any], args: argparse.Namespace
                   f"ratio {counts[0] / counts[1]:.3f}")  # fmt: skip
 
 
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--server", choices=["seaweedfs"], default=None)

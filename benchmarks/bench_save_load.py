@@ -146,8 +146,6 @@ def _raw_put_get(
     return _timed(put), _timed(get)
 
 
-
-
 def _run(args: argparse.Namespace, base: str, options: dict[str, Any]) -> None:
     run = f"{base.rstrip('/')}/{uuid.uuid4().hex[:8]}"
     config = CheckpointConfig(part_size=args.part_mib * MiB, max_in_flight=args.workers)

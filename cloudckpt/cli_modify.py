@@ -136,15 +136,13 @@ def _add_convert(subparsers: Subparsers) -> None:
         "--max-batch-mib",
         type=_at_least(int, 1, "a positive number of MiB"),
         default=1024,
-        help="tensor MiB read and written at once (default 1024; a larger tensor is its own "
-        "batch)",
+        help="tensor MiB read and written at once (default 1024; a larger tensor is its own batch)",
     )
     _add_storage_option_flag(
         parser,
         "--dst-storage-option",
         "dst_storage_options",
-        "a storage option for the destination only (repeatable; overrides --storage-option "
-        "there)",
+        "a storage option for the destination only (repeatable; overrides --storage-option there)",
     )
     _add_store_options(parser, with_json=True, with_progress=True)
     parser.set_defaults(handler=_cmd_convert)

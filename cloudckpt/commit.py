@@ -79,7 +79,6 @@ class CommitState:
             absent.insert(0, MANIFEST_FNAME)
         return absent
 
-
     @classmethod
     def from_names(cls, names: Iterable[str]) -> CommitState:
         """The state that a listing of the checkpoint's objects shows (no request)."""

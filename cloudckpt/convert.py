@@ -96,7 +96,11 @@ def convert(
     if not target.objects_with_tensors:
         results += target.common.save_objects_to(target.storage, objects)
     manifest = commit(
-        target.storage, results, target.backends, entries, common_key_paths(common),
+        target.storage,
+        results,
+        target.backends,
+        entries,
+        common_key_paths(common),
         claimed=claimed,
     )
     assert manifest is not None  # world of one: this process is the coordinator

@@ -100,7 +100,11 @@ class LoadSession:
         """
         storage = open_storage(uri, sharded_strategy, storage_options, config)
         return cls.bind(
-            uri, storage, open_committed(storage), sharded_strategy, common_strategy,
+            uri,
+            storage,
+            open_committed(storage),
+            sharded_strategy,
+            common_strategy,
             verify_checksums=verify_checksums,
         )
 
@@ -123,19 +127,27 @@ class LoadSession:
         """
         backends = checkpoint.backends
         sharded_strategy = sharded_strategy or _registered_loader(
-            storage, StrategyAction.LOAD_SHARDED, backends.sharded_backend,
+            storage,
+            StrategyAction.LOAD_SHARDED,
+            backends.sharded_backend,
             backends.sharded_backend_version,
         )
         common_strategy = common_strategy or _registered_loader(
-            storage, StrategyAction.LOAD_COMMON, backends.common_backend,
+            storage,
+            StrategyAction.LOAD_COMMON,
+            backends.common_backend,
             backends.common_backend_version,
         )
         check_compatibility(
-            sharded_strategy, backends.sharded_backend, backends.sharded_backend_version,
+            sharded_strategy,
+            backends.sharded_backend,
+            backends.sharded_backend_version,
             storage.uri,
         )
         check_compatibility(
-            common_strategy, backends.common_backend, backends.common_backend_version,
+            common_strategy,
+            backends.common_backend,
+            backends.common_backend_version,
             storage.uri,
         )
         return cls(
@@ -170,9 +182,7 @@ class LoadSession:
         """Load tensors and objects; objects by the sharded strategy when it reads them."""
         if self.objects_with_tensors:  # e.g. torch_dist: objects in DCP
             return self.sharded.load_from(self.storage, sharded)
-        objects, tensors = extract_matching_values(
-            sharded, lambda v: isinstance(v, ShardedObject)
-        )
+        objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
         loaded = self.sharded.load_from(self.storage, tensors)
         if objects:
             merge(loaded, self.common.load_objects_from(self.storage, objects))

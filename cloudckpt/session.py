@@ -376,7 +376,12 @@ def check_common_consistency(
             "Rank %d common state dict differs from rank 0 common state dict. "
             "Keys only on rank 0: %s, Keys only on %d: %s, Mismatched keys: %s "
             "(checkpoint %s; only rank 0's common state is saved)",
-            rank, only_rank0, rank, only_here, [m[0] for m in mismatch], shown,
+            rank,
+            only_rank0,
+            rank,
+            only_here,
+            [m[0] for m in mismatch],
+            shown,
         )
 
 

@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh dev
 .venv/bin/ruff check cloudckpt tests benchmarks
+.venv/bin/ruff format --check cloudckpt tests benchmarks
 .venv/bin/mypy cloudckpt
 # One test file per worker process (--dist loadfile: a file's module fixtures stay in one
 # process); each worker starts the servers and the 4-rank gloo group its files need.

@@ -111,7 +111,9 @@ def test_freeze_returns_frozen_copy_that_refuses_finalize_fns() -> None:
 def test_execute_sync_runs_fn_then_finalizers_in_caller_thread() -> None:
     log: list[Any] = []
     request = AsyncRequest(
-        _recorder(log, "write"), (1, 2), [_recorder(log, "f1"), _recorder(log, "f2")],
+        _recorder(log, "write"),
+        (1, 2),
+        [_recorder(log, "f1"), _recorder(log, "f2")],
         {"k": 3},
     )
     request.execute_sync()
@@ -235,8 +237,9 @@ def test_empty_queue_finalizes_nothing() -> None:
 def test_close_abort_drops_calls_without_finalizing() -> None:
     log: list[Any] = []
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(AsyncRequest(lambda: log.append("write"), (),
-                                              [lambda: log.append("fin")]))
+    queue.schedule_async_request(
+        AsyncRequest(lambda: log.append("write"), (), [lambda: log.append("fin")])
+    )
     queue.close(abort=True)
     assert log == ["write"] and queue.get_num_unfinalized_calls() == 0
 
@@ -299,6 +302,7 @@ def _two_rank_scenarios(rank: int, world_size: int) -> dict[str, Any]:
         _wait_for_thread_exit("cloudckpt-async-save-0")
     seen["second_check"] = queue.maybe_finalize_async_calls()
     seen["log"] = list(log)
+
     # Scenario 2: rank 1's write fails; both ranks learn it at finalization.
     def fail() -> None:
         raise OSError(f"upload failed on rank {rank}")

@@ -40,6 +40,7 @@ COMMIT_FILES = {"metadata.json", "manifest.json"}
 
 ZARR = ("zarr", 1)  # these tests look at the zarr layout (chunk objects)
 
+
 def make_state(seed: int = 0) -> dict[str, Any]:
     """Two float32 tensors (256 KiB each), a ShardedObject and common state."""
     gen = torch.Generator().manual_seed(seed)

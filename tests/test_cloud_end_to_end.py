@@ -393,7 +393,9 @@ def test_explicit_options_beat_config_which_beats_environment(
     # config (live) > environment (dead)
     uri = f"{bucket_uri}/config"
     cloudckpt.save(
-        _small_state(), uri, config=CheckpointConfig(storage_options=options),
+        _small_state(),
+        uri,
+        config=CheckpointConfig(storage_options=options),
         sharded_strategy=ZARR,
     )
     assert {"metadata.json", "w/0.0"} <= _s3_objects(s3_server, uri).keys()

@@ -46,6 +46,7 @@ from tests.fixtures_object_stores import (
 
 ZARR = ("zarr", 1)  # these tests look at the zarr layout (chunk objects)
 
+
 def _manifest() -> Manifest:
     return Manifest(
         objects=(ManifestEntry("w/0", 8, 123), ManifestEntry("a/.zarray", 50, 7)),

@@ -94,10 +94,7 @@ def test_cloudckpt_convert_command(tmp_path: Path, checkpoint_uri: StoreLocation
         convert(src, dst, dst_storage_options=options)
         _check_copy(dst, options)
         return
-    extra = [
-        f"--dst-storage-option={key}={value}"
-        for key, value in _cli_options(options).items()
-    ]
+    extra = [f"--dst-storage-option={key}={value}" for key, value in _cli_options(options).items()]
     proc = subprocess.run(
         [sys.executable, "-m", "cloudckpt", "convert", src, dst, "--no-progress", *extra],
         cwd=REPO_ROOT,

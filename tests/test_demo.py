@@ -80,8 +80,12 @@ def test_demo_one_rank_prints_runnable_next_commands_and_counts_like_verify(
     out = proc.stdout
     assert "1 ranks" not in out
     assert f"checkpoint:   {uri}\n" in out
-    match = re.search(r"^objects: +(\d+) in the checkpoint, ([0-9.]+) MB \(counted as "
-                      r"`cloudckpt verify` does:", out, re.M)
+    match = re.search(
+        r"^objects: +(\d+) in the checkpoint, ([0-9.]+) MB \(counted as "
+        r"`cloudckpt verify` does:",
+        out,
+        re.M,
+    )
     assert match, out
     objects = int(match.group(1))
     # every stored object but the two commit records
@@ -92,12 +96,14 @@ def test_demo_one_rank_prints_runnable_next_commands_and_counts_like_verify(
     cwd, commands = _next_steps(out)
     assert [c[-2:] for c in commands] == [["ls", str(uri.parent)], [str(uri), "--deep"]]
     assert commands[1][-3] == "verify"
-    listed = subprocess.run(commands[0], cwd=cwd, capture_output=True, text=True,
-                            timeout=120, check=False)
+    listed = subprocess.run(
+        commands[0], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
     assert listed.returncode == 0, listed.stdout + listed.stderr
     assert re.search(r"^iter_0000010 +10 +committed ", listed.stdout, re.M), listed.stdout
-    verified = subprocess.run(commands[1], cwd=cwd, capture_output=True, text=True,
-                              timeout=120, check=False)
+    verified = subprocess.run(
+        commands[1], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert f"OK: {objects} objects, " in verified.stdout
     assert "CRC-32C checksums match the manifest" in verified.stdout

@@ -58,8 +58,10 @@ def test_extract_matching_values_top_level_list() -> None:
 
 @pytest.mark.parametrize(
     ("as_dicts", "expected_nonmatching"),
-    [(False, {"empty_d": {}, "empty_l": [], "l": [[]]}),
-     (True, {"empty_d": {}, "empty_l": {}, "l": {0: {}}})],
+    [
+        (False, {"empty_d": {}, "empty_l": [], "l": [[]]}),
+        (True, {"empty_d": {}, "empty_l": {}, "l": {0: {}}}),
+    ],
 )
 def test_extract_matching_values_keeps_empty_containers_on_nonmatching_side(
     as_dicts: bool, expected_nonmatching: dict[str, Any]

@@ -100,7 +100,10 @@ def _strict_missing_on_one_rank(rank: int, world: int, uri: str) -> dict:
     if rank == 2:
         request["absent"] = ShardedTensor.from_rank_offsets("absent", torch.empty(3))
     return _outcome(
-        cloudckpt.load, request, uri, validate_access_integrity=False,
+        cloudckpt.load,
+        request,
+        uri,
+        validate_access_integrity=False,
         strict=StrictHandling.RAISE_ALL,
     )
 
@@ -121,9 +124,7 @@ def _save_twice(rank: int, world: int, uri: str) -> dict:
     return _outcome(cloudckpt.save, tp_state(rank, tp=2), uri)
 
 
-def test_saving_over_a_committed_checkpoint_is_a_commit_conflict_on_every_rank(
-    rank_pool, tmp_path
-):
+def test_saving_over_a_committed_checkpoint_is_a_commit_conflict_on_every_rank(rank_pool, tmp_path):
     uri = str(tmp_path / "ckpt")
     outcomes = rank_pool.run(_save_twice, uri)
     _assert_all_raised(outcomes, "CommitConflictError", [0], uri, "not empty")
@@ -165,7 +166,9 @@ def test_collective_reads_share_rank_0s_answer_or_its_error(rank_pool, tmp_path)
         assert calls["verify"]["value"] is True
     for name in ("missing_common", "missing_verify"):
         _assert_all_raised(
-            [calls[name] for calls in outcomes], "CheckpointingException", [0],
+            [calls[name] for calls in outcomes],
+            "CheckpointingException",
+            [0],
             str(tmp_path / "nowhere"),
         )
 
@@ -258,8 +261,6 @@ def _unpicklable_result(rank: int, world: int, root: str) -> dict:
     )
 
 
-def test_a_result_that_cannot_be_sent_fails_on_every_rank_instead_of_hanging(
-    rank_pool, tmp_path
-):
+def test_a_result_that_cannot_be_sent_fails_on_every_rank_instead_of_hanging(rank_pool, tmp_path):
     outcomes = rank_pool.run(_unpicklable_result, str(tmp_path))
     _assert_all_raised(outcomes, "DistributedCheckpointError", [0], str(tmp_path / "ckpt"))

@@ -38,8 +38,12 @@ def _shards_2x3() -> list[ShardedTensor]:
 
 def _valid_kwargs(**overrides: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-        "key": "layer.w", "data": torch.zeros(2, 3), "dtype": torch.float32,
-        "local_shape": (2, 3), "global_shape": (4, 3), "global_offset": (2, 0),
+        "key": "layer.w",
+        "data": torch.zeros(2, 3),
+        "dtype": torch.float32,
+        "local_shape": (2, 3),
+        "global_shape": (4, 3),
+        "global_offset": (2, 0),
         "axis_fragmentations": (2, 1),
     }
     kwargs.update(overrides)
@@ -81,8 +85,9 @@ def test_from_rank_offsets_unsplit_axes_are_whole() -> None:
 
 
 def test_from_rank_offsets_with_prepended_axis() -> None:
-    st = ShardedTensor.from_rank_offsets("k", torch.zeros(2, 3), (0, 3, 4), (2, 1, 2),
-                                         prepend_axis_num=1)
+    st = ShardedTensor.from_rank_offsets(
+        "k", torch.zeros(2, 3), (0, 3, 4), (2, 1, 2), prepend_axis_num=1
+    )
     assert st.global_shape == (4, 2, 6)
     assert st.global_offset == (3, 0, 3)
     assert st.axis_fragmentations == (4, 1, 2)
@@ -114,8 +119,14 @@ def test_from_rank_offsets_rejects_flattened_range() -> None:
 
 
 def test_constructor_normalises_shapes_to_int_tuples() -> None:
-    st = ShardedTensor(**_valid_kwargs(local_shape=[2, 3], global_shape=torch.Size([4, 3]),
-                                       global_offset=[2, 0], axis_fragmentations=[2, 1]))
+    st = ShardedTensor(
+        **_valid_kwargs(
+            local_shape=[2, 3],
+            global_shape=torch.Size([4, 3]),
+            global_offset=[2, 0],
+            axis_fragmentations=[2, 1],
+        )
+    )
     assert st.local_shape == (2, 3) and type(st.local_shape) is tuple
     assert st.global_shape == (4, 3) and st.axis_fragmentations == (2, 1)
 
@@ -130,8 +141,15 @@ def test_constructor_normalises_shapes_to_int_tuples() -> None:
         ({"data": torch.zeros(3, 2)}, "data shape"),
         ({"global_shape": (4, 3, 1), "global_offset": (2, 0, 0)}, "does not fit global_shape"),
         ({"prepend_axis_num": 1}, "does not fit global_shape"),
-        ({"prepend_axis_num": -1, "global_shape": (4,), "global_offset": (2,),
-              "axis_fragmentations": None}, "does not fit"),
+        (
+            {
+                "prepend_axis_num": -1,
+                "global_shape": (4,),
+                "global_offset": (2,),
+                "axis_fragmentations": None,
+            },
+            "does not fit",
+        ),
         ({"global_offset": (2, 0, 0)}, "global_offset .* rank"),
         ({"axis_fragmentations": (2,)}, "axis_fragmentations .* rank"),
         ({"axis_fragmentations": (2, 0)}, "must be positive"),
@@ -212,8 +230,9 @@ def test_global_slice_selects_local_data_from_global_tensor() -> None:
 def test_global_slice_uses_ints_for_prepended_axes() -> None:
     stacked = torch.arange(3 * 4 * 6).reshape(3, 4, 6)
     local = stacked[2, :, 3:6]
-    st = ShardedTensor.from_rank_offsets("k", local.clone(), (0, 2, 3), (2, 1, 2),
-                                         prepend_axis_num=1)
+    st = ShardedTensor.from_rank_offsets(
+        "k", local.clone(), (0, 2, 3), (2, 1, 2), prepend_axis_num=1
+    )
     assert st.global_slice() == (2, slice(0, 4), slice(3, 6))
     assert torch.equal(stacked[st.global_slice()], local)
 
@@ -222,8 +241,9 @@ def test_global_slice_uses_ints_for_prepended_axes() -> None:
 def test_flat_coordinates_index_local_and_global_tensors(rng: slice) -> None:
     local = GLOBAL[2:4, 3:6]  # rank (1, 1) of a 2 x 2 grid of (2, 3) shards
     data = local.flatten()[rng].clone()
-    st = ShardedTensor.from_rank_offsets_flat("k", data, (2, 3), (0, 1, 2), (1, 1, 2),
-                                              flattened_range=rng)
+    st = ShardedTensor.from_rank_offsets_flat(
+        "k", data, (2, 3), (0, 1, 2), (1, 1, 2), flattened_range=rng
+    )
     local_coords = st.local_coordinates()
     global_coords = st.global_coordinates()
     assert len(local_coords) == 2 and len(global_coords) == 2
@@ -235,8 +255,9 @@ def test_flat_coordinates_index_local_and_global_tensors(rng: slice) -> None:
 def test_global_coordinates_with_prepended_axis() -> None:
     stacked = torch.arange(2 * 3 * 4).reshape(2, 3, 4)
     data = stacked[1].flatten()[4:9].clone()
-    st = ShardedTensor.from_rank_offsets_flat("k", data, (3, 4), (0, 1, 2), prepend_axis_num=1,
-                                              flattened_range=slice(4, 9))
+    st = ShardedTensor.from_rank_offsets_flat(
+        "k", data, (3, 4), (0, 1, 2), prepend_axis_num=1, flattened_range=slice(4, 9)
+    )
     coords = st.global_coordinates()
     assert len(coords) == 3 and coords[0].tolist() == [1] * 5
     assert torch.equal(stacked[tuple(torch.from_numpy(c) for c in coords)], data)
@@ -252,8 +273,9 @@ def test_coordinates_require_flattened_range(method: str) -> None:
 def test_local_chunk_offset_in_global_matches_rank_offsets() -> None:
     offsets = [st.local_chunk_offset_in_global() for st in _shards_2x3()]
     assert offsets == [(i, j) for i in range(2) for j in range(3)]
-    st = ShardedTensor.from_rank_offsets("k", torch.zeros(2, 3), (0, 3, 4), (2, 1, 2),
-                                         prepend_axis_num=1)
+    st = ShardedTensor.from_rank_offsets(
+        "k", torch.zeros(2, 3), (0, 3, 4), (2, 1, 2), prepend_axis_num=1
+    )
     assert st.local_chunk_offset_in_global() == (3, 0, 1)
 
 
@@ -290,9 +312,14 @@ def test_without_data_keeps_metadata_and_original() -> None:
 
 
 def test_from_rank_offsets_flat_builds_flat_shard() -> None:
-    st = ShardedTensor.from_rank_offsets_flat("k", torch.ones(3, dtype=torch.int32), (2, 4),
-                                              (0, 1, 2), flattened_range=slice(2, 5),
-                                              replica_id=1)
+    st = ShardedTensor.from_rank_offsets_flat(
+        "k",
+        torch.ones(3, dtype=torch.int32),
+        (2, 4),
+        (0, 1, 2),
+        flattened_range=slice(2, 5),
+        replica_id=1,
+    )
     assert st.flattened_range == slice(2, 5)
     assert st.local_shape == (2, 4) and st.global_shape == (4, 4) and st.global_offset == (2, 0)
     assert st.dtype == torch.int32 and st.replica_id == 1 and st.data is not None
@@ -311,8 +338,7 @@ def test_from_rank_offsets_flat_builds_flat_shard() -> None:
         (torch.zeros(4), slice(0, 3), "1-D of length 3"),
     ],
 )
-def test_from_rank_offsets_flat_rejects_bad_input(data: torch.Tensor, rng: Any,
-                                                  match: str) -> None:
+def test_from_rank_offsets_flat_rejects_bad_input(data: torch.Tensor, rng: Any, match: str) -> None:
     with pytest.raises(ShardingValidationError, match=match) as info:
         ShardedTensor.from_rank_offsets_flat("flat.key", data, (2, 4), flattened_range=rng)
     assert "flat.key" in str(info.value)
@@ -342,10 +368,12 @@ def _assemble(shards: list[ShardedTensor]) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("dim", "start", "length"), [(0, 0, 1), (0, 1, 1), (1, 1, 1),
-                                                      (1, 0, 2), (1, 0, 0)])
-def test_narrow_non_flat_on_every_rank_narrows_each_chunk(dim: int, start: int,
-                                                          length: int) -> None:
+@pytest.mark.parametrize(
+    ("dim", "start", "length"), [(0, 0, 1), (0, 1, 1), (1, 1, 1), (1, 0, 2), (1, 0, 0)]
+)
+def test_narrow_non_flat_on_every_rank_narrows_each_chunk(
+    dim: int, start: int, length: int
+) -> None:
     narrowed = [r for st in _shards_2x3() for r in st.narrow(dim, start, length)]
     assert len(narrowed) == 6
     grid = (2, 3)
@@ -361,8 +389,10 @@ def test_narrow_non_flat_on_every_rank_narrows_each_chunk(dim: int, start: int,
 
 
 def test_narrow_unsplit_axis_matches_narrowing_the_full_tensor() -> None:
-    shards = [ShardedTensor.from_rank_offsets("w", GLOBAL[2 * i : 2 * i + 2].clone(), (0, i, 2))
-              for i in range(2)]
+    shards = [
+        ShardedTensor.from_rank_offsets("w", GLOBAL[2 * i : 2 * i + 2].clone(), (0, i, 2))
+        for i in range(2)
+    ]
     narrowed = [st.narrow(1, 2, 3)[0] for st in shards]
     assert narrowed[1].global_shape == (4, 3) and narrowed[1].global_offset == (2, 0)
     assert narrowed[1].local_shape == (2, 3)
@@ -370,8 +400,9 @@ def test_narrow_unsplit_axis_matches_narrowing_the_full_tensor() -> None:
 
 
 def test_narrow_with_prepended_axis_and_without_data() -> None:
-    st = ShardedTensor.from_rank_offsets("k", torch.zeros(4, 2), (0, 1, 3), (1, 1, 2),
-                                         prepend_axis_num=1)
+    st = ShardedTensor.from_rank_offsets(
+        "k", torch.zeros(4, 2), (0, 1, 3), (1, 1, 2), prepend_axis_num=1
+    )
     (out,) = st.without_data().narrow(0, 1, 2)
     assert out.data is None
     assert out.local_shape == (2, 2)
@@ -380,8 +411,12 @@ def test_narrow_with_prepended_axis_and_without_data() -> None:
 
 @pytest.mark.parametrize(
     ("args", "match"),
-    [((2, 0, 1), "bad narrow dim 2"), ((-1, 0, 1), "bad narrow dim"),
-     ((0, 1, 2), "exceeds the local extent 2"), ((0, -1, 1), "exceeds")],
+    [
+        ((2, 0, 1), "bad narrow dim 2"),
+        ((-1, 0, 1), "bad narrow dim"),
+        ((0, 1, 2), "exceeds the local extent 2"),
+        ((0, -1, 1), "exceeds"),
+    ],
 )
 def test_narrow_rejects_bad_arguments(args: tuple[int, int, int], match: str) -> None:
     with pytest.raises(CheckpointingException, match=match):
@@ -412,11 +447,13 @@ FLAT_CASES = [
 
 
 @pytest.mark.parametrize(("rng", "start", "length"), FLAT_CASES)
-def test_narrow_flat_matches_narrowing_full_local_tensor(rng: slice, start: int,
-                                                         length: int) -> None:
+def test_narrow_flat_matches_narrowing_full_local_tensor(
+    rng: slice, start: int, length: int
+) -> None:
     local = torch.arange(12).reshape(3, 4)  # values == flat indices
-    st = ShardedTensor.from_rank_offsets_flat("f", local.flatten()[rng].clone(), (3, 4),
-                                              (0, 1, 2), flattened_range=rng)
+    st = ShardedTensor.from_rank_offsets_flat(
+        "f", local.flatten()[rng].clone(), (3, 4), (0, 1, 2), flattened_range=rng
+    )
     result = st.narrow(0, start, length)
     narrowed_local = local.narrow(0, start, length).flatten()
     expected = [v for v in narrowed_local.tolist() if rng.start <= v < rng.stop]
@@ -441,8 +478,9 @@ def test_narrow_flat_example_from_megatron() -> None:
 
 def test_narrow_flat_global_coordinates_index_narrowed_global() -> None:
     full = torch.arange(24).reshape(6, 4)  # two (3, 4) chunks along dim 0
-    st = ShardedTensor.from_rank_offsets_flat("f", full[3:6].flatten()[2:11].clone(), (3, 4),
-                                              (0, 1, 2), flattened_range=slice(2, 11))
+    st = ShardedTensor.from_rank_offsets_flat(
+        "f", full[3:6].flatten()[2:11].clone(), (3, 4), (0, 1, 2), flattened_range=slice(2, 11)
+    )
     (out,) = st.narrow(0, 1, 2)
     narrowed_global = full.reshape(2, 3, 4)[:, 1:3].reshape(4, 4)
     coords = tuple(torch.from_numpy(c) for c in out.global_coordinates())
@@ -450,15 +488,17 @@ def test_narrow_flat_global_coordinates_index_narrowed_global() -> None:
 
 
 def test_narrow_flat_only_along_dim_zero() -> None:
-    st = ShardedTensor.from_rank_offsets_flat("flat.key", torch.zeros(4), (3, 4),
-                                              flattened_range=slice(0, 4))
+    st = ShardedTensor.from_rank_offsets_flat(
+        "flat.key", torch.zeros(4), (3, 4), flattened_range=slice(0, 4)
+    )
     with pytest.raises(CheckpointingException, match=r"flat.key.*dim 0"):
         st.narrow(1, 0, 2)
 
 
 def test_narrow_flat_without_data() -> None:
-    st = ShardedTensor.from_rank_offsets_flat("f", torch.zeros(5), (3, 4),
-                                              flattened_range=slice(5, 10)).without_data()
+    st = ShardedTensor.from_rank_offsets_flat(
+        "f", torch.zeros(5), (3, 4), flattened_range=slice(5, 10)
+    ).without_data()
     (out,) = st.narrow(0, 1, 1)
     assert out.data is None and out.flattened_range == slice(1, 4)
 
@@ -503,8 +543,9 @@ def test_sharded_object_unique_key_and_str() -> None:
     ("key", "shape", "offset"),
     [("a", (4,), (3,)), ("a/b/c", (2, 8), (1, 3)), ("x", (), ()), ("with_underscore", (1,), (0,))],
 )
-def test_sharded_object_unique_key_round_trip(key: str, shape: tuple[int, ...],
-                                              offset: tuple[int, ...]) -> None:
+def test_sharded_object_unique_key_round_trip(
+    key: str, shape: tuple[int, ...], offset: tuple[int, ...]
+) -> None:
     obj = ShardedObject(key, "payload", shape, offset)
     back = ShardedObject.empty_from_unique_key(obj.unique_key, replica_id=(0, 1))
     assert back.key == key and back.global_shape == shape and back.global_offset == offset
@@ -514,8 +555,16 @@ def test_sharded_object_unique_key_round_trip(key: str, shape: tuple[int, ...],
 
 @pytest.mark.parametrize(
     "unique_key",
-    ["noslash", "/shard_0_1", "k/shard_0_1_2", "k/shrd_0_1", "k/shard_a_1", "k/shard_0", "k/",
-     "k/shard_0..1_2.2"],
+    [
+        "noslash",
+        "/shard_0_1",
+        "k/shard_0_1_2",
+        "k/shrd_0_1",
+        "k/shard_a_1",
+        "k/shard_0",
+        "k/",
+        "k/shard_0..1_2.2",
+    ],
 )
 def test_empty_from_unique_key_rejects_malformed_keys(unique_key: str) -> None:
     with pytest.raises(CheckpointingException, match="Malformed") as info:
@@ -525,11 +574,16 @@ def test_empty_from_unique_key_rejects_malformed_keys(unique_key: str) -> None:
 
 @pytest.mark.parametrize(
     ("shape", "offset", "match"),
-    [((2, 2), (0,), "differ in rank"), ((2,), (2,), "outside"), ((2,), (-1,), "outside"),
-     ((0,), (0,), "outside")],
+    [
+        ((2, 2), (0,), "differ in rank"),
+        ((2,), (2,), "outside"),
+        ((2,), (-1,), "outside"),
+        ((0,), (0,), "outside"),
+    ],
 )
-def test_sharded_object_validation(shape: tuple[int, ...], offset: tuple[int, ...],
-                                   match: str) -> None:
+def test_sharded_object_validation(
+    shape: tuple[int, ...], offset: tuple[int, ...], match: str
+) -> None:
     with pytest.raises(ShardingValidationError, match=f"'obj.key'.*{match}"):
         ShardedObject("obj.key", None, shape, offset)
 
@@ -537,8 +591,9 @@ def test_sharded_object_validation(shape: tuple[int, ...], offset: tuple[int, ..
 # ---------------------------------------------------------------- factories
 
 
-def _split_build(key: str, data: torch.Tensor, replica_id: Any,
-                 flattened_range: slice | None) -> ShardedStateDict:
+def _split_build(
+    key: str, data: torch.Tensor, replica_id: Any, flattened_range: slice | None
+) -> ShardedStateDict:
     half = data.shape[0] // 2
     return {
         "lo": ShardedTensor.from_rank_offsets(f"{key}.lo", data[:half], replica_id=replica_id),
@@ -558,8 +613,14 @@ def _factory(key: str = "f", data: torch.Tensor | None = None) -> ShardedTensorF
 def test_factory_build_passes_its_fields_to_build_fn() -> None:
     calls: list[tuple[Any, ...]] = []
     data = torch.ones(2)
-    factory = ShardedTensorFactory("k", data, lambda *a: calls.append(a) or {"x": 1},
-                                   _split_merge, replica_id=(0, 2), flattened_range=slice(0, 1))
+    factory = ShardedTensorFactory(
+        "k",
+        data,
+        lambda *a: calls.append(a) or {"x": 1},
+        _split_merge,
+        replica_id=(0, 2),
+        flattened_range=slice(0, 1),
+    )
     assert factory.build() == {"x": 1}
     assert calls == [("k", data, (0, 2), slice(0, 1))]
     assert factory.validate_metadata_integrity() is None
@@ -583,13 +644,20 @@ def test_apply_factories_replaces_factories_in_nested_dicts_and_lists() -> None:
 
 
 def test_apply_factory_merges_round_trip_nested() -> None:
-    factories: dict[str, Any] = {"a": _factory("a", torch.arange(4.0)),
-                                 "n": {"l": [_factory("b", torch.arange(6.0))]}}
-    built: dict[str, Any] = {"a": _factory("a").build(),
-                             "n": {"l": [_factory("b", torch.arange(6.0)).build()]},
-                             "other": 5}
-    loaded = {"a": {k: v.data for k, v in built["a"].items()},
-              "n": {"l": [{k: v.data for k, v in built["n"]["l"][0].items()}]}, "other": 5}
+    factories: dict[str, Any] = {
+        "a": _factory("a", torch.arange(4.0)),
+        "n": {"l": [_factory("b", torch.arange(6.0))]},
+    }
+    built: dict[str, Any] = {
+        "a": _factory("a").build(),
+        "n": {"l": [_factory("b", torch.arange(6.0)).build()]},
+        "other": 5,
+    }
+    loaded = {
+        "a": {k: v.data for k, v in built["a"].items()},
+        "n": {"l": [{k: v.data for k, v in built["n"]["l"][0].items()}]},
+        "other": 5,
+    }
     out = apply_factory_merges(loaded, factories)
     assert out is loaded
     assert torch.equal(loaded["a"], torch.arange(4.0))
@@ -627,8 +695,9 @@ def test_apply_factory_merges_structure_mismatch_names_key(x1: Any, x2: Any, mat
 
 def test_flat_coordinates_of_zero_dim_shard_with_prepended_axes() -> None:
     stacked = torch.arange(3.0)
-    st = ShardedTensor.from_rank_offsets_flat("s", stacked[2:3].clone(), (), (0, 2, 3),
-                                              prepend_axis_num=1, flattened_range=slice(0, 1))
+    st = ShardedTensor.from_rank_offsets_flat(
+        "s", stacked[2:3].clone(), (), (0, 2, 3), prepend_axis_num=1, flattened_range=slice(0, 1)
+    )
     assert st.local_coordinates() == ()
     (coords,) = st.global_coordinates()
     assert coords.tolist() == [2]

@@ -101,8 +101,10 @@ def test_license_is_an_spdx_expression_built_without_deprecation_warnings(
     assert PROJECT["license-files"] == ["LICENSE"]
     assert "Apache License" in (REPO_ROOT / "LICENSE").read_text()
     requires = PYPROJECT["build-system"]["requires"]
-    assert any(re.fullmatch(r"setuptools>=(\d+).*", r) and int(r[12:].split(".")[0]) >= 77
-               for r in requires), requires
+    assert any(
+        re.fullmatch(r"setuptools>=(\d+).*", r) and int(r[12:].split(".")[0]) >= 77
+        for r in requires
+    ), requires
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -117,7 +119,11 @@ def test_license_is_an_spdx_expression_built_without_deprecation_warnings(
     )
     proc = subprocess.run(
         [sys.executable, "-W", "always", "-c", code, str(out)],
-        cwd=src, capture_output=True, text=True, timeout=120, check=False,
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert "Deprecat" not in proc.stdout + proc.stderr, proc.stderr
@@ -185,7 +191,10 @@ def test_local_checkpoints_need_no_extra_and_no_test_tools(tmp_path: Path) -> No
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "missing: cannot open s3://bucket/run" in proc.stdout, proc.stdout
@@ -234,7 +243,11 @@ def _run(repo: Path, script: str, *args: str, **env: str) -> subprocess.Complete
     full_env = {k: v for k, v in os.environ.items() if k != "CLOUDCKPT_REINSTALL"}
     return subprocess.run(
         ["bash", str(repo / "scripts" / script), *args],
-        capture_output=True, text=True, timeout=60, check=False, env={**full_env, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**full_env, **env},
     )
 
 
@@ -262,7 +275,7 @@ def test_setup_env_succeeds_when_the_filter_leaves_no_line(fake_repo: Path) -> N
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert _pip_installs(fake_repo) == [
-        '--upgrade pip>=24',
+        "--upgrade pip>=24",
         "-c constraints.txt torch==2.13.0",
         "-c constraints.txt -e .[dev]",
     ]
@@ -329,17 +342,28 @@ def test_readme_links_the_design_shipped_in_the_repo() -> None:
 
 def test_design_names_only_modules_that_exist_and_the_commit_objects() -> None:
     design = (REPO_ROOT / "docs" / "design.md").read_text()
-    layout = design[design.index("## Package layout"):design.index("## Checkpoint layout")]
+    layout = design[design.index("## Package layout") : design.index("## Checkpoint layout")]
     named = set(re.findall(r"\b([a-z0-9_]+\.py)\b", layout))
     package = REPO_ROOT / "cloudckpt"
     existing = {p.name for p in package.rglob("*.py")}
     assert named - existing == set()
     # every module of the package is described
     assert existing - named - {"__main__.py"} == set()
-    for fact in (".cloudckpt-claim.json", "amend_manifest", "exchange_tensors",
-                 "plan_flat_chunks", "MissingDependencyError"):
+    for fact in (
+        ".cloudckpt-claim.json",
+        "amend_manifest",
+        "exchange_tensors",
+        "plan_flat_chunks",
+        "MissingDependencyError",
+    ):
         assert fact in design, fact
     code = "\n".join(p.read_text() for p in package.rglob("*.py"))
-    for name in ("amend_manifest", "exchange_tensors", "plan_flat_chunks",
-                 "MissingDependencyError", "check_compatibility", "validate_relpath"):
+    for name in (
+        "amend_manifest",
+        "exchange_tensors",
+        "plan_flat_chunks",
+        "MissingDependencyError",
+        "check_compatibility",
+        "validate_relpath",
+    ):
         assert f"def {name}(" in code or f"class {name}(" in code, name

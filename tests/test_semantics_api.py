@@ -51,8 +51,12 @@ def _metadata(uri: str | Path) -> dict[str, Any]:
 def test_save_defaults_to_torch_dist_as_megatron(tmp_path):
     uri = str(tmp_path / "ckpt")
     cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))}, uri)
-    assert _metadata(uri) == {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                              "common_backend": "torch", "common_backend_version": 1}
+    assert _metadata(uri) == {
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
     assert os.path.exists(os.path.join(uri, ".metadata"))
     assert cloudckpt.CheckpointConfig().backend == "torch_dist"
 
@@ -65,7 +69,9 @@ def test_get_default_strategies():
     assert isinstance(zarr, ZarrSaveShardedStrategy) and zarr.backend == "zarr"
     common = serialization.get_default_save_common_strategy()
     assert isinstance(common, TorchCommonSaveStrategy) and (common.backend, common.version) == (
-        "torch", 1)
+        "torch",
+        1,
+    )
     with pytest.raises(cloudckpt.CheckpointingException, match="no default strategy"):
         serialization.get_default_save_sharded_strategy("torch_dist", 7)
 
@@ -76,13 +82,19 @@ def test_get_default_strategies():
 )
 def test_get_default_load_sharded_strategy_follows_the_checkpoint(tmp_path, backend, loader):
     uri = tmp_path / "ckpt"
-    cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))}, str(uri),
-                   sharded_strategy=(backend, 1))
+    cloudckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))},
+        str(uri),
+        sharded_strategy=(backend, 1),
+    )
     for where in (str(uri), uri):
         strategy = serialization.get_default_load_sharded_strategy(where)
         assert isinstance(strategy, loader)
-        loaded = cloudckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(3))},
-                                where, sharded_strategy=strategy)
+        loaded = cloudckpt.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.empty(3))},
+            where,
+            sharded_strategy=strategy,
+        )
         assert torch.equal(loaded["w"], torch.ones(3))
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         serialization.get_default_load_sharded_strategy(tmp_path / "nothing")
@@ -121,8 +133,9 @@ def _common_check_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
         cloudckpt.save(state(), os.path.join(root, "plain"))
     out["plain"] = records.text()
     with _Records(logging.WARNING) as records:
-        cloudckpt.save(state(), os.path.join(root, "pre"),
-                       preprocess_common_before_consistancy_check=drop_rank)
+        cloudckpt.save(
+            state(), os.path.join(root, "pre"), preprocess_common_before_consistancy_check=drop_rank
+        )
     out["pre"] = records.text()
     with _Records(logging.WARNING) as records:
         cloudckpt.save(state(), os.path.join(root, "novalidate"), validate_access_integrity=False)
@@ -147,8 +160,13 @@ def test_common_state_consistency_check_and_its_preprocessing(rank_pool, tmp_pat
 def _async_scenario(rank: int, world: int, uri: str, backend: str, queue: bool) -> bool:
     state = tp_state(rank, tp=2)
     state["iteration"] = 3
-    request = cloudckpt.save(state, uri, sharded_strategy=(backend, 1), async_sharded_save=True,
-                             content_metadata={"step": 3})
+    request = cloudckpt.save(
+        state,
+        uri,
+        sharded_strategy=(backend, 1),
+        async_sharded_save=True,
+        content_metadata={"step": 3},
+    )
     assert isinstance(request, AsyncRequest)
     committed_early = cloudckpt.check_is_distributed_checkpoint(uri)
     for value in state.values():  # staged: training may change its tensors now
@@ -183,9 +201,12 @@ def test_async_save_of_a_strategy_doing_its_own_io_is_refused(tmp_path):
             raise AssertionError("not reached")
 
     with pytest.raises(CheckpointingException, match="Cannot apply async_save"):
-        cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))},
-                       str(tmp_path / "ckpt"), sharded_strategy=OwnIO("own", 1),
-                       async_sharded_save=True)
+        cloudckpt.save(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))},
+            str(tmp_path / "ckpt"),
+            sharded_strategy=OwnIO("own", 1),
+            async_sharded_save=True,
+        )
 
 
 # -- item 5: pathlib.Path -------------------------------------------------------------------
@@ -194,9 +215,12 @@ def test_async_save_of_a_strategy_doing_its_own_io_is_refused(tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pathlib_paths_work_everywhere(tmp_path, backend):
     uri = tmp_path / "ckpt"
-    state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0)),
-             "b": ShardedTensor.from_rank_offsets("b", torch.ones(2)),
-             "o": ShardedObject("obj", {"x": 1}, (1,), (0,)), "iteration": 2}
+    state = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.ones(2)),
+        "o": ShardedObject("obj", {"x": 1}, (1,), (0,)),
+        "iteration": 2,
+    }
     cloudckpt.save(state, uri, sharded_strategy=(backend, 1))
     assert cloudckpt.check_is_distributed_checkpoint(uri)
     request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4))}
@@ -212,8 +236,10 @@ def test_pathlib_paths_work_everywhere(tmp_path, backend):
 
 def test_a_path_made_from_a_uri_is_refused():
     with pytest.raises(CheckpointingException, match=r"lost its '//'; pass the URI as a str"):
-        cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))},
-                       Path("s3://bucket/run/iter_1"))
+        cloudckpt.save(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))},
+            Path("s3://bucket/run/iter_1"),
+        )
     with pytest.raises(CheckpointingException, match="s3:/bucket"):
         cloudckpt.load({}, Path("s3://bucket/run/iter_1"))
     with pytest.raises(CheckpointingException, match="lost its"):
@@ -243,10 +269,14 @@ def test_messages_keep_megatrons_wording(tmp_path):
     assert "not committed: manifest.json and metadata.json are missing" in str(uncommitted.value)
     for backend in BACKENDS:
         uri = str(tmp_path / backend)
-        cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, uri,
-                       sharded_strategy=(backend, 1))
+        cloudckpt.save(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))},
+            uri,
+            sharded_strategy=(backend, 1),
+        )
         with pytest.raises(CheckpointingException) as shape:
             cloudckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(5))}, uri)
         assert str(shape.value).startswith(
-            "Global shape mismatch for loaded ((4,)) and expected ((5,)) tensor for key w")
+            "Global shape mismatch for loaded ((4,)) and expected ((5,)) tensor for key w"
+        )
         assert uri in str(shape.value) and "allow_shape_mismatch" in str(shape.value)

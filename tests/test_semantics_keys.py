@@ -83,7 +83,9 @@ def _keys_scenario(rank: int, world: int, uri: str, backend: str) -> dict[str, A
         out[mode] = (sorted(missing), sorted(unexpected))
     with _Records(logging.WARNING) as records:
         state = cloudckpt.load(
-            _request(rank, world, absent=True), uri, strict="log_all",
+            _request(rank, world, absent=True),
+            uri,
+            strict="log_all",
             validate_access_integrity=False,
         )
     assert f"absent{rank}" not in state
@@ -123,8 +125,10 @@ def test_missing_and_unexpected_keys_across_ranks(rank_pool, tmp_path, backend):
 def _clean_strict_load(rank: int, world: int, uri: str) -> list[str]:
     _save_world(rank, world, uri, "torch_dist")
     request = {
-        **{f"k{r}": ShardedTensor.from_rank_offsets(f"k{r}", torch.empty(2), replica_id=rank)
-           for r in range(world)},
+        **{
+            f"k{r}": ShardedTensor.from_rank_offsets(f"k{r}", torch.empty(2), replica_id=rank)
+            for r in range(world)
+        },
         "spare": ShardedTensor.from_rank_offsets("spare", torch.empty(2), replica_id=rank),
         "obj": ShardedObject("obj", None, (world,), (rank,)),
     }

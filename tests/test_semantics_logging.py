@@ -58,8 +58,9 @@ def _logging_scenario(rank: int, world: int, uri: str, backend: str) -> dict[str
         handler.records.clear()
         loaded = cloudckpt.load(tp_state(rank, tp=4, empty=True), uri)
         assert check_tp(loaded, rank, 4) == 3
-        loaded = cloudckpt.load(tp_state(rank, tp=2, empty=True), uri, strict="log_all",
-                                validate_access_integrity=True)
+        loaded = cloudckpt.load(
+            tp_state(rank, tp=2, empty=True), uri, strict="log_all", validate_access_integrity=True
+        )
         loads = list(handler.records)
         handler.records.clear()
         # the caller's own DCP calls keep logging: the setup above does leak DCP's records
@@ -76,8 +77,10 @@ def _logging_scenario(rank: int, world: int, uri: str, backend: str) -> dict[str
         "load_warnings": _describe([r for r in loads if r.levelno >= logging.WARNING]),
         "save_warnings": _describe([r for r in saved if r.levelno >= logging.WARNING]),
         "progress": [
-            (r.levelname, r.getMessage()) for r in records
-            if r.name.startswith("cloudckpt") and f"rank {rank} " in r.getMessage()
+            (r.levelname, r.getMessage())
+            for r in records
+            if r.name.startswith("cloudckpt")
+            and f"rank {rank} " in r.getMessage()
             and (" saved " in r.getMessage() or " loaded " in r.getMessage())
         ],
         "own_dcp_debug": len(own),

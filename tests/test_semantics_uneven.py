@@ -24,8 +24,14 @@ ROWS = [3, 1, 2, 2]  # uneven rows of an (8, 4) matrix and of an (8,) vector ove
 OTHER_ROWS = [1, 4, 1, 2]
 
 
-def _uneven(key: str, full: torch.Tensor, rows: list[int], rank: int, empty: bool = False,
-            dtype: torch.dtype | None = None) -> ShardedTensor:
+def _uneven(
+    key: str,
+    full: torch.Tensor,
+    rows: list[int],
+    rank: int,
+    empty: bool = False,
+    dtype: torch.dtype | None = None,
+) -> ShardedTensor:
     """Rank ``rank``'s rows of ``full`` (rows split as ``rows``), built as Megatron-Core
     builds uneven shards: no grid (``axis_fragmentations=None``)."""
     start = sum(rows[:rank])
@@ -35,13 +41,19 @@ def _uneven(key: str, full: torch.Tensor, rows: list[int], rank: int, empty: boo
     if empty:
         local = torch.empty_like(local)
     return ShardedTensor(
-        key, local, local.dtype, tuple(local.shape), tuple(full.shape),
-        (start,) + (0,) * (full.dim() - 1), None,
+        key,
+        local,
+        local.dtype,
+        tuple(local.shape),
+        tuple(full.shape),
+        (start,) + (0,) * (full.dim() - 1),
+        None,
     )
 
 
-def _state(rank: int, rows: list[int], empty: bool = False,
-           dtype: torch.dtype | None = None) -> dict:
+def _state(
+    rank: int, rows: list[int], empty: bool = False, dtype: torch.dtype | None = None
+) -> dict:
     return {
         "m": _uneven("m", reference("m", (8, 4)), rows, rank, empty, dtype),
         "v": _uneven("v", reference("v", (8,)), rows, rank, empty, dtype),
@@ -61,14 +73,16 @@ def _uneven_scenario(rank: int, world: int, uri: str) -> int:
     row, col = divmod(rank, 2)
     tile = ShardedTensor.from_rank_offsets("m", torch.empty(4, 2), (0, row, 2), (1, col, 2))
     loaded = cloudckpt.load({"tile": tile}, uri)
-    assert torch.equal(loaded["tile"], reference("m", (8, 4))[4 * row : 4 * row + 4,
-                                                               2 * col : 2 * col + 2])
+    assert torch.equal(
+        loaded["tile"], reference("m", (8, 4))[4 * row : 4 * row + 4, 2 * col : 2 * col + 2]
+    )
     return checked + 1
 
 
 def _regular_to_uneven_scenario(rank: int, world: int, uri: str) -> int:
-    m = ShardedTensor.from_rank_offsets("m", reference("m", (8, 4)).chunk(4)[rank].clone(),
-                                        (0, rank, 4))
+    m = ShardedTensor.from_rank_offsets(
+        "m", reference("m", (8, 4)).chunk(4)[rank].clone(), (0, rank, 4)
+    )
     cloudckpt.save({"m": m}, uri)  # torch_dist, the default
     loaded = cloudckpt.load({"m": _uneven("m", reference("m", (8, 4)), ROWS, rank, True)}, uri)
     assert torch.equal(loaded["m"], _uneven("m", reference("m", (8, 4)), ROWS, rank).data)
@@ -121,16 +135,22 @@ def test_loading_as_another_dtype_casts_like_torch_dist(rank_pool, tmp_path):
 def test_cast_of_flattened_and_plain_tensors_in_one_process(tmp_path):
     uri = str(tmp_path / "ckpt")
     full = reference("w", (4, 6)).to(torch.bfloat16)
-    flat = ShardedTensor.from_rank_offsets_flat("f", full.reshape(-1)[5:17].clone(), (4, 6),
-                                                flattened_range=slice(5, 17))
-    rest = [ShardedTensor.from_rank_offsets_flat("f", full.reshape(-1)[a:b].clone(), (4, 6),
-                                                 flattened_range=slice(a, b), replica_id=0)
-            for a, b in ((0, 5), (17, 24))]
+    flat = ShardedTensor.from_rank_offsets_flat(
+        "f", full.reshape(-1)[5:17].clone(), (4, 6), flattened_range=slice(5, 17)
+    )
+    rest = [
+        ShardedTensor.from_rank_offsets_flat(
+            "f", full.reshape(-1)[a:b].clone(), (4, 6), flattened_range=slice(a, b), replica_id=0
+        )
+        for a, b in ((0, 5), (17, 24))
+    ]
     state = {"w": ShardedTensor.from_rank_offsets("w", full.clone()), "f": [flat, *rest]}
     cloudckpt.save(state, uri)
     loaded = cloudckpt.load(
-        {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.float32)),
-         "f": ShardedTensor.from_rank_offsets("f", torch.empty(4, 6, dtype=torch.float64))},
+        {
+            "w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6, dtype=torch.float32)),
+            "f": ShardedTensor.from_rank_offsets("f", torch.empty(4, 6, dtype=torch.float64)),
+        },
         uri,
     )
     assert loaded["w"].dtype == torch.float32 and torch.equal(loaded["w"], full.float())
@@ -140,18 +160,29 @@ def test_cast_of_flattened_and_plain_tensors_in_one_process(tmp_path):
 # -- validation alone (all ranks' shards given by hand) -----------------------------------
 
 
-def _box(key: str, local: tuple[int, ...], offset: tuple[int, ...], glob: tuple[int, ...],
-         replica: int = 0) -> ShardedTensor:
+def _box(
+    key: str,
+    local: tuple[int, ...],
+    offset: tuple[int, ...],
+    glob: tuple[int, ...],
+    replica: int = 0,
+) -> ShardedTensor:
     return ShardedTensor(key, None, torch.float32, local, glob, offset, None, replica)
 
 
 def test_uneven_validation_accepts_tilings_and_rejects_overlaps_and_gaps():
-    tiling = [[_box("t", (3, 4), (0, 0), (5, 6))], [_box("t", (3, 2), (0, 4), (5, 6))],
-              [_box("t", (2, 6), (3, 0), (5, 6))],
-              [_box("t", (2, 6), (3, 0), (5, 6), replica=1)]]  # a non-main copy
+    tiling = [
+        [_box("t", (3, 4), (0, 0), (5, 6))],
+        [_box("t", (3, 2), (0, 4), (5, 6))],
+        [_box("t", (2, 6), (3, 0), (5, 6))],
+        [_box("t", (2, 6), (3, 0), (5, 6), replica=1)],
+    ]  # a non-main copy
     validate_sharding_integrity(tiling, "s3://b/ckpt")
-    overlap = [[_box("t", (3,), (0,), (6,))], [_box("t", (2,), (2,), (6,))],
-               [_box("t", (2,), (4,), (6,))]]
+    overlap = [
+        [_box("t", (3,), (0,), (6,))],
+        [_box("t", (2,), (2,), (6,))],
+        [_box("t", (2,), (4,), (6,))],
+    ]
     with pytest.raises(ShardingValidationError) as info:
         validate_sharding_integrity(overlap, "s3://b/ckpt")
     (violation,) = info.value.violations
@@ -163,14 +194,25 @@ def test_uneven_validation_accepts_tilings_and_rejects_overlaps_and_gaps():
 
 
 def test_uneven_shards_must_not_declare_a_grid_nor_be_flattened():
-    declared = [[ShardedTensor.from_rank_offsets("g", torch.empty(3), (0, 0, 2))],
-                [_box("g", (3,), (3,), (6,))], [_box("g", (0,), (6,), (6,))]]
+    declared = [
+        [ShardedTensor.from_rank_offsets("g", torch.empty(3), (0, 0, 2))],
+        [_box("g", (3,), (3,), (6,))],
+        [_box("g", (0,), (6,), (6,))],
+    ]
     with pytest.raises(ShardingValidationError, match="local_shape differs across shards") as info:
         validate_sharding_integrity(declared)
     assert "axis_fragmentations" in str(info.value) and "ranks 0 declare" in str(info.value)
-    flat = [[ShardedTensor("f", None, torch.float32, (4,), (6,), (0,), None,
-                           flattened_range=slice(0, 4))],
-            [ShardedTensor("f", None, torch.float32, (2,), (6,), (4,), None,
-                           flattened_range=slice(0, 2))]]
+    flat = [
+        [
+            ShardedTensor(
+                "f", None, torch.float32, (4,), (6,), (0,), None, flattened_range=slice(0, 4)
+            )
+        ],
+        [
+            ShardedTensor(
+                "f", None, torch.float32, (2,), (6,), (4,), None, flattened_range=slice(0, 2)
+            )
+        ],
+    ]
     with pytest.raises(ShardingValidationError, match="flattened shards"):
         validate_sharding_integrity(flat)

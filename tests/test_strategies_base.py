@@ -116,8 +116,10 @@ class _AsyncSave(AsyncSaveShardedStrategy):
         return AsyncRequest(
             self._write,
             (sharded_state_dict, checkpoint_dir),
-            [lambda: self.events.append(("fin1", None)),
-             lambda: self.events.append(("fin2", None))],
+            [
+                lambda: self.events.append(("fin1", None)),
+                lambda: self.events.append(("fin2", None)),
+            ],
         )
 
 
@@ -126,7 +128,10 @@ class _AsyncSave(AsyncSaveShardedStrategy):
 
 def test_strategy_action_values() -> None:
     assert [a.value for a in StrategyAction] == [
-        "load_common", "load_sharded", "save_common", "save_sharded"
+        "load_common",
+        "load_sharded",
+        "save_common",
+        "save_sharded",
     ]
 
 
@@ -184,11 +189,13 @@ def test_lazy_backend_import_failure_names_missing_module(
 def fake_backend_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A module that registers a "lazy" backend strategy when imported."""
     name = "_cloudckpt_test_lazy_backend"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent("""
         from cloudckpt.strategies.base import register_default_strategy
         IMPORTED = object()
         register_default_strategy("load_common", "lazy", 2, IMPORTED)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(base._BACKEND_MODULES, "lazy", name)
@@ -231,7 +238,11 @@ def test_import_starts_no_thread_and_no_process_group() -> None:
         " type(b.async_calls).__name__, b.async_calls.get_num_unfinalized_calls())\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
         cwd=str(Path(__file__).resolve().parents[1]),
     ).stdout.split()
     assert out == ["1", "False", "AsyncCallsQueue", "0"]
@@ -243,8 +254,14 @@ def test_import_starts_no_thread_and_no_process_group() -> None:
 
 @pytest.mark.parametrize(
     "cls",
-    [LoadStrategyBase, LoadCommonStrategy, LoadShardedStrategy, SaveCommonStrategy,
-     SaveShardedStrategy, AsyncSaveShardedStrategy],
+    [
+        LoadStrategyBase,
+        LoadCommonStrategy,
+        LoadShardedStrategy,
+        SaveCommonStrategy,
+        SaveShardedStrategy,
+        AsyncSaveShardedStrategy,
+    ],
 )
 def test_abstract_classes_are_not_instantiable(cls: Any) -> None:
     with pytest.raises(TypeError, match="abstract"):

@@ -22,16 +22,25 @@ from cloudckpt.validation import (
 URI = "s3://bucket/run/iter_10"
 
 
-def st(key: str, local: tuple[int, ...], glob: tuple[int, ...], offset: tuple[int, ...],
-       replica: int | tuple[int, ...] = 0, dtype: torch.dtype = torch.float32,
-       flat: slice | None = None, prepend: int = 0) -> ShardedTensor:
+def st(
+    key: str,
+    local: tuple[int, ...],
+    glob: tuple[int, ...],
+    offset: tuple[int, ...],
+    replica: int | tuple[int, ...] = 0,
+    dtype: torch.dtype = torch.float32,
+    flat: slice | None = None,
+    prepend: int = 0,
+) -> ShardedTensor:
     """A data-less ShardedTensor, as gathered from another rank."""
-    return ShardedTensor(key, None, dtype, local, glob, offset, None, replica, prepend,
-                         flattened_range=flat)
+    return ShardedTensor(
+        key, None, dtype, local, glob, offset, None, replica, prepend, flattened_range=flat
+    )
 
 
-def obj(key: str, glob: tuple[int, ...], offset: tuple[int, ...],
-        replica: int | tuple[int, ...] = 0) -> ShardedObject:
+def obj(
+    key: str, glob: tuple[int, ...], offset: tuple[int, ...], replica: int | tuple[int, ...] = 0
+) -> ShardedObject:
     return ShardedObject(key, None, glob, offset, replica)
 
 
@@ -42,16 +51,25 @@ def tp_dp_layout(tp: int = 2, dp: int = 2) -> list[list[ShardedBase]]:
     for rank in range(tp * dp):
         t, d = rank % tp, rank // tp
         per_dp = 12 // dp
-        world.append([
-            st("decoder.w", (2, 6), (2 * tp, 6), (2 * t, 0), replica=d),
-            st("decoder.bias", (6,), (6,), (0,), replica=rank),
-            st("optimizer.exp_avg", (2, 6), (2 * tp, 6), (2 * t, 0),
-               flat=slice(d * per_dp, (d + 1) * per_dp)),
-            *[st("layers.w", (3,), (2, 3 * tp), (layer, 3 * t), replica=(0, d), prepend=1)
-              for layer in range(2)],
-            obj("rng", (tp * dp,), (rank,)),
-            obj("sched", (1,), (0,), replica=rank),
-        ])
+        world.append(
+            [
+                st("decoder.w", (2, 6), (2 * tp, 6), (2 * t, 0), replica=d),
+                st("decoder.bias", (6,), (6,), (0,), replica=rank),
+                st(
+                    "optimizer.exp_avg",
+                    (2, 6),
+                    (2 * tp, 6),
+                    (2 * t, 0),
+                    flat=slice(d * per_dp, (d + 1) * per_dp),
+                ),
+                *[
+                    st("layers.w", (3,), (2, 3 * tp), (layer, 3 * t), replica=(0, d), prepend=1)
+                    for layer in range(2)
+                ],
+                obj("rng", (tp * dp,), (rank,)),
+                obj("sched", (1,), (0,), replica=rank),
+            ]
+        )
     return world
 
 
@@ -65,8 +83,9 @@ def violations_of(world: list[list[ShardedBase]]) -> tuple[str, ...]:
     return info.value.violations
 
 
-def replace_shard(world: list[list[ShardedBase]], rank: int, key: str,
-                  new: ShardedBase | None) -> list[list[ShardedBase]]:
+def replace_shard(
+    world: list[list[ShardedBase]], rank: int, key: str, new: ShardedBase | None
+) -> list[list[ShardedBase]]:
     """A copy of ``world`` where ``rank``'s first shard of ``key`` is replaced (or dropped)."""
     out = [list(shards) for shards in world]
     pos = next(i for i, sh in enumerate(out[rank]) if sh.key == key)
@@ -102,8 +121,9 @@ def test_empty_world_passes() -> None:
 
 
 def test_missing_chunk_is_reported() -> None:
-    world = replace_shard(tp_dp_layout(), 1, "decoder.w", st("decoder.w", (2, 6), (4, 6),
-                                                              (2, 0), replica=1))
+    world = replace_shard(
+        tp_dp_layout(), 1, "decoder.w", st("decoder.w", (2, 6), (4, 6), (2, 0), replica=1)
+    )
     world = replace_shard(world, 3, "decoder.w", None)
     (violation,) = violations_of(world)
     assert "'decoder.w'" in violation and "no main replica" in violation and "(1, 0)" in violation
@@ -123,8 +143,10 @@ def test_doubly_saved_chunk_names_ranks() -> None:
 
 @pytest.mark.parametrize(
     ("new", "attr"),
-    [(st("decoder.w", (2, 6), (4, 6), (2, 0), replica=0, dtype=torch.bfloat16), "dtype"),
-     (st("decoder.w", (2, 6), (4, 7), (2, 0)), "global_shape")],
+    [
+        (st("decoder.w", (2, 6), (4, 6), (2, 0), replica=0, dtype=torch.bfloat16), "dtype"),
+        (st("decoder.w", (2, 6), (4, 7), (2, 0)), "global_shape"),
+    ],
 )
 def test_metadata_disagreement_is_reported(new: ShardedTensor, attr: str) -> None:
     (violation,) = violations_of(replace_shard(tp_dp_layout(), 1, "decoder.w", new))
@@ -141,8 +163,9 @@ def test_a_smaller_shard_is_uneven_sharding_and_its_gap_is_reported() -> None:
 
 
 def test_mixed_flattened_and_not_is_reported() -> None:
-    world = replace_shard(tp_dp_layout(), 0, "optimizer.exp_avg",
-                          st("optimizer.exp_avg", (2, 6), (4, 6), (0, 0)))
+    world = replace_shard(
+        tp_dp_layout(), 0, "optimizer.exp_avg", st("optimizer.exp_avg", (2, 6), (4, 6), (0, 0))
+    )
     (violation,) = violations_of(world)
     assert "'optimizer.exp_avg'" in violation and "flattened_range" in violation
 
@@ -150,16 +173,20 @@ def test_mixed_flattened_and_not_is_reported() -> None:
 def test_misaligned_offset_is_reported_with_rank() -> None:
     world = replace_shard(tp_dp_layout(), 1, "decoder.w", st("decoder.w", (2, 6), (4, 6), (1, 0)))
     violations = violations_of(world)
-    assert any("'decoder.w'" in v and "rank 1" in v and "offset (1, 0)" in v
-               and "not aligned" in v for v in violations)
+    assert any(
+        "'decoder.w'" in v and "rank 1" in v and "offset (1, 0)" in v and "not aligned" in v
+        for v in violations
+    )
 
 
 @pytest.mark.parametrize(
     ("ranges", "expected"),
-    [([(0, 5), (6, 12)], "elements [5, 6) are not saved"),
-     ([(0, 6)], "elements [6, 12) are not saved"),
-     ([(2, 12)], "elements [0, 2) are not saved"),
-     ([(0, 7), (6, 12)], "flattened range [6, 12) on rank 1 overlaps")],
+    [
+        ([(0, 5), (6, 12)], "elements [5, 6) are not saved"),
+        ([(0, 6)], "elements [6, 12) are not saved"),
+        ([(2, 12)], "elements [0, 2) are not saved"),
+        ([(0, 7), (6, 12)], "flattened range [6, 12) on rank 1 overlaps"),
+    ],
     ids=["gap", "tail", "head", "overlap"],
 )
 def test_flattened_gaps_and_overlaps(ranges: list[tuple[int, int]], expected: str) -> None:
@@ -213,17 +240,29 @@ def test_key_used_by_tensor_and_object() -> None:
 
 def test_several_violations_reported_together() -> None:
     world = replace_shard(tp_dp_layout(), 1, "decoder.w", None)  # chunk (1, 0): no main
-    world = replace_shard(world, 1, "decoder.bias",
-                          st("decoder.bias", (6,), (6,), (0,), replica=1, dtype=torch.float16))
+    world = replace_shard(
+        world,
+        1,
+        "decoder.bias",
+        st("decoder.bias", (6,), (6,), (0,), replica=1, dtype=torch.float16),
+    )
     world = replace_shard(world, 2, "sched", obj("sched", (1,), (0,)))  # two main replicas
-    world = replace_shard(world, 0, "optimizer.exp_avg",
-                          st("optimizer.exp_avg", (2, 6), (4, 6), (0, 0), flat=slice(0, 5)))
+    world = replace_shard(
+        world,
+        0,
+        "optimizer.exp_avg",
+        st("optimizer.exp_avg", (2, 6), (4, 6), (0, 0), flat=slice(0, 5)),
+    )
     world[0].append(obj("layers.w", (1,), (0,)))
     violations = violations_of(world)
     assert len(violations) == 5, violations
-    expected = [("'decoder.w'", "no main replica"), ("'decoder.bias'", "dtype differs"),
-                ("'sched'", "ranks 0, 2"), ("'optimizer.exp_avg'", "[5, 6) are not saved"),
-                ("'layers.w'", "used by ShardedObject and ShardedTensor")]
+    expected = [
+        ("'decoder.w'", "no main replica"),
+        ("'decoder.bias'", "dtype differs"),
+        ("'sched'", "ranks 0, 2"),
+        ("'optimizer.exp_avg'", "[5, 6) are not saved"),
+        ("'layers.w'", "used by ShardedObject and ShardedTensor"),
+    ]
     for key, what in expected:
         assert any(key in v and what in v for v in violations), (key, what, violations)
     with pytest.raises(ShardingValidationError, match=r"5 problem\(s\)"):
@@ -265,13 +304,19 @@ def test_parse_strict_flag_rejects_junk_listing_valid_values(junk: object) -> No
 
 def test_strict_handling_predicates() -> None:
     assert not StrictHandling.requires_explicit_ckpt_mismatch_check(
-        StrictHandling.ASSUME_OK_UNEXPECTED)
+        StrictHandling.ASSUME_OK_UNEXPECTED
+    )
     # as Megatron-Core: only the *_ALL modes gather every rank's keys (for missing keys)
     assert {m for m in StrictHandling if StrictHandling.requires_global_app_metadata(m)} == {
-        StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL,
-        StrictHandling.IGNORE_ALL}
+        StrictHandling.LOG_ALL,
+        StrictHandling.RAISE_ALL,
+        StrictHandling.RETURN_ALL,
+        StrictHandling.IGNORE_ALL,
+    }
     assert {m for m in StrictHandling if StrictHandling.requires_returning_mismatch_keys(m)} == {
-        StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL}
+        StrictHandling.RETURN_UNEXPECTED,
+        StrictHandling.RETURN_ALL,
+    }
 
 
 # --- plan_flat_chunks ------------------------------------------------------------------
@@ -279,12 +324,16 @@ def test_strict_handling_predicates() -> None:
 
 def flat_world() -> list[list[ShardedTensor]]:
     """Two keys; chunk (0,) of 'a' split 3/6/3 over ranks 0-2, chunk (1,) tied 6/6."""
+
     def a(rank_off: int, start: int, stop: int, replica: int = 0) -> ShardedTensor:
         return st("a", (12,), (24,), (12 * rank_off,), flat=slice(start, stop), replica=replica)
 
     return [
-        [a(0, 0, 3), st("dense", (4,), (4,), (0,)), st("b", (2, 2), (2, 2), (0, 0),
-                                                       flat=slice(0, 4))],
+        [
+            a(0, 0, 3),
+            st("dense", (4,), (4,), (0,)),
+            st("b", (2, 2), (2, 2), (0, 0), flat=slice(0, 4)),
+        ],
         [a(0, 3, 9), a(1, 6, 12)],
         [a(0, 9, 12), a(1, 0, 6), a(0, 0, 12, replica=1)],  # non-main replica: ignored
     ]
@@ -300,8 +349,11 @@ def test_plan_flat_chunks_assembler_and_sorted_pieces() -> None:
 
 
 def test_plan_flat_chunks_tie_goes_to_lowest_rank() -> None:
-    world = [[], [st("t", (8,), (8,), (0,), flat=slice(4, 8))],
-             [st("t", (8,), (8,), (0,), flat=slice(0, 4))]]  # equal pieces on ranks 1 and 2
+    world = [
+        [],
+        [st("t", (8,), (8,), (0,), flat=slice(4, 8))],
+        [st("t", (8,), (8,), (0,), flat=slice(0, 4))],
+    ]  # equal pieces on ranks 1 and 2
     (plan,) = plan_flat_chunks(world)
     assert plan.assembler == 1 and [p.rank for p in plan.pieces] == [2, 1]
 

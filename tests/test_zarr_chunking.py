@@ -293,7 +293,9 @@ def test_shards_under_the_chunk_size_are_byte_identical(tmp_path: pathlib.Path) 
         "e": ShardedTensor.from_rank_offsets("e", torch.empty(0, 4)),
     }
     for name, strategy in [
-        ("unsplit", _strategy(None)), ("default", ("zarr", 1)), ("tiny", _strategy(1))
+        ("unsplit", _strategy(None)),
+        ("default", ("zarr", 1)),
+        ("tiny", _strategy(1)),
     ]:
         cloudckpt.save(state, str(tmp_path / name), sharded_strategy=strategy)
     unsplit = _tree(tmp_path / "unsplit")

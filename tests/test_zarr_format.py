@@ -33,21 +33,48 @@ from cloudckpt.strategies._zarr_format import (
 )
 from cloudckpt.strategies._zarr_reader import TensorReader
 
-ZARRAY_KEYS = {"chunks", "compressor", "dimension_separator", "dtype", "fill_value",
-               "filters", "order", "shape", "zarr_format"}
-DTYPE_SPELLINGS = {
-    torch.bfloat16: "bfloat16", torch.float16: "<f2", torch.float32: "<f4",
-    torch.float64: "<f8", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
-    torch.int64: "<i8", torch.uint8: "|u1", torch.bool: "|b1",
+ZARRAY_KEYS = {
+    "chunks",
+    "compressor",
+    "dimension_separator",
+    "dtype",
+    "fill_value",
+    "filters",
+    "order",
+    "shape",
+    "zarr_format",
 }
-MEGATRON_CONFIG = {"sharded_backend": "zarr", "sharded_backend_version": 1,
-                   "common_backend": "torch", "common_backend_version": 1}
+DTYPE_SPELLINGS = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "<f2",
+    torch.float32: "<f4",
+    torch.float64: "<f8",
+    torch.int8: "|i1",
+    torch.int16: "<i2",
+    torch.int32: "<i4",
+    torch.int64: "<i8",
+    torch.uint8: "|u1",
+    torch.bool: "|b1",
+}
+MEGATRON_CONFIG = {
+    "sharded_backend": "zarr",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 
 
 def _doc(**overrides: object) -> bytes:
-    doc: dict[str, object] = {"chunks": [2, 2], "compressor": None, "dtype": "<f4",
-                              "fill_value": None, "filters": None, "order": "C",
-                              "shape": [4, 4], "zarr_format": 2}
+    doc: dict[str, object] = {
+        "chunks": [2, 2],
+        "compressor": None,
+        "dtype": "<f4",
+        "fill_value": None,
+        "filters": None,
+        "order": "C",
+        "shape": [4, 4],
+        "zarr_format": 2,
+    }
     doc.update(overrides)
     return json.dumps(doc).encode()
 
@@ -60,9 +87,15 @@ def _doc(**overrides: object) -> bytes:
     [
         ArrayMeta((10, 7), (4, 3), torch.float32),
         ArrayMeta((), (), torch.bfloat16),
-        ArrayMeta((8,), (8,), torch.int64, compressor={"id": "zlib", "level": 1},
-                  filters=({"id": "shuffle", "elementsize": 8},), order="F",
-                  dimension_separator="/"),
+        ArrayMeta(
+            (8,),
+            (8,),
+            torch.int64,
+            compressor={"id": "zlib", "level": 1},
+            filters=({"id": "shuffle", "elementsize": 8},),
+            order="F",
+            dimension_separator="/",
+        ),
     ],
     ids=["2d", "0d-bf16", "compressed-F"],
 )
@@ -83,8 +116,9 @@ def test_dtype_encode_decode(dtype: torch.dtype) -> None:
     assert json.loads(meta.to_json())["dtype"] == DTYPE_SPELLINGS[dtype]
 
 
-@pytest.mark.parametrize(("spec", "dtype"), [("<i1", torch.int8), ("<u1", torch.uint8),
-                                             ("<b1", torch.bool)])
+@pytest.mark.parametrize(
+    ("spec", "dtype"), [("<i1", torch.int8), ("<u1", torch.uint8), ("<b1", torch.bool)]
+)
 def test_decode_dtype_accepts_alternative_spellings(spec: str, dtype: torch.dtype) -> None:
     assert decode_dtype(spec) is dtype
 
@@ -100,9 +134,13 @@ def test_unsupported_dtype_raises_naming_key() -> None:
 
 @pytest.mark.parametrize(
     ("raw", "match"),
-    [(_doc(zarr_format=3), "zarr_format 3"), (b"{not json", "not a valid .zarray"),
-     (_doc(dtype="<c16"), "unsupported zarr dtype"), (_doc(order="X"), "chunk order 'X'"),
-     (_doc(zarr_format=None), "zarr_format None")],
+    [
+        (_doc(zarr_format=3), "zarr_format 3"),
+        (b"{not json", "not a valid .zarray"),
+        (_doc(dtype="<c16"), "unsupported zarr dtype"),
+        (_doc(order="X"), "chunk order 'X'"),
+        (_doc(zarr_format=None), "zarr_format None"),
+    ],
     ids=["v3", "bad-json", "dtype", "order", "no-format"],
 )
 def test_from_json_errors_name_location(raw: bytes, match: str) -> None:
@@ -111,8 +149,11 @@ def test_from_json_errors_name_location(raw: bytes, match: str) -> None:
     assert "s3://b/ck/w/.zarray" in str(info.value)
 
 
-@pytest.mark.parametrize("raw", [b'{"zarr_format": 2}', b"[]", b"2", _doc(shape=None)],
-                         ids=["no-shape", "list", "number", "null-shape"])
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"zarr_format": 2}', b"[]", b"2", _doc(shape=None)],
+    ids=["no-shape", "list", "number", "null-shape"],
+)
 def test_from_json_malformed_documents_raise_incompatible(raw: bytes) -> None:
     with pytest.raises(IncompatibleCheckpointError, match=r"ck/w/\.zarray"):
         ArrayMeta.from_json(raw, "ck/w/.zarray")
@@ -123,14 +164,20 @@ def test_from_json_defaults_missing_optional_fields() -> None:
     del doc["order"], doc["filters"], doc["compressor"]
     meta = ArrayMeta.from_json(json.dumps(doc).encode())
     assert (meta.order, meta.filters, meta.compressor, meta.dimension_separator) == (
-        "C", None, None, ".")
+        "C",
+        None,
+        None,
+        ".",
+    )
     assert meta.is_raw
 
 
 def test_chunk_key_and_grid() -> None:
     assert ArrayMeta((4, 4), (2, 2), torch.float32).chunk_key((1, 0)) == "1.0"
-    assert ArrayMeta((4, 4, 4), (2, 2, 2), torch.float32,
-                     dimension_separator="/").chunk_key((1, 0, 1)) == "1/0/1"
+    assert (
+        ArrayMeta((4, 4, 4), (2, 2, 2), torch.float32, dimension_separator="/").chunk_key((1, 0, 1))
+        == "1/0/1"
+    )
     assert ArrayMeta((), (), torch.float32).chunk_key(()) == "0"
     assert ArrayMeta((10, 7), (4, 3), torch.float32).grid == (3, 3)
     assert ArrayMeta((8, 6), (4, 3), torch.float32).grid == (2, 2)
@@ -157,10 +204,26 @@ def _chunks_of(full: np.ndarray, meta: ArrayMeta) -> dict[tuple[int, ...], np.nd
 
 @pytest.mark.parametrize(
     ("offset", "shape"),
-    [((1, 1), (2, 1)), ((0, 0), (4, 3)), ((3, 2), (3, 3)), ((6, 4), (6, 6)), ((2, 0), (8, 7)),
-     ((5, 3), (0, 2)), ((10, 0), (3, 3)), ((0, 0), (10, 7))],
-    ids=["inside-one", "exactly-one", "spans-4", "clipped-edge", "clipped-wide", "empty",
-         "outside", "whole"],
+    [
+        ((1, 1), (2, 1)),
+        ((0, 0), (4, 3)),
+        ((3, 2), (3, 3)),
+        ((6, 4), (6, 6)),
+        ((2, 0), (8, 7)),
+        ((5, 3), (0, 2)),
+        ((10, 0), (3, 3)),
+        ((0, 0), (10, 7)),
+    ],
+    ids=[
+        "inside-one",
+        "exactly-one",
+        "spans-4",
+        "clipped-edge",
+        "clipped-wide",
+        "empty",
+        "outside",
+        "whole",
+    ],
 )
 def test_overlapping_chunks_match_brute_force(
     offset: tuple[int, int], shape: tuple[int, int]
@@ -173,13 +236,16 @@ def test_overlapping_chunks_match_brute_force(
     for ov in overlaps:
         box[ov.in_box] = chunks[ov.index][ov.in_chunk]
     expected = np.zeros(shape, dtype=np.float32)
-    inside = full[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1]]
-    expected[:inside.shape[0], :inside.shape[1]] = inside
+    inside = full[offset[0] : offset[0] + shape[0], offset[1] : offset[1] + shape[1]]
+    expected[: inside.shape[0], : inside.shape[1]] = inside
     np.testing.assert_array_equal(box, expected)
     touched = {
-        idx for idx in chunks
-        if all(max(o, i * c) < min(o + s, (i + 1) * c, d)
-               for i, c, o, s, d in zip(idx, meta.chunks, offset, shape, meta.shape, strict=True))
+        idx
+        for idx in chunks
+        if all(
+            max(o, i * c) < min(o + s, (i + 1) * c, d)
+            for i, c, o, s, d in zip(idx, meta.chunks, offset, shape, meta.shape, strict=True)
+        )
     }
     assert [ov.index for ov in overlaps] == sorted(touched)
 
@@ -216,9 +282,11 @@ def test_decode_bfloat16_chunk() -> None:
 
 @pytest.mark.parametrize(
     ("codec", "filters"),
-    [(numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE), None),
-     (numcodecs.Zlib(level=6), None),
-     (numcodecs.Zlib(level=1), (numcodecs.Shuffle(elementsize=8),))],
+    [
+        (numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE), None),
+        (numcodecs.Zlib(level=6), None),
+        (numcodecs.Zlib(level=1), (numcodecs.Shuffle(elementsize=8),)),
+    ],
     ids=["blosc", "zlib", "zlib+shuffle-filter"],
 )
 def test_decode_compressed_chunk(codec: Any, filters: tuple[Any, ...] | None) -> None:
@@ -226,8 +294,13 @@ def test_decode_compressed_chunk(codec: Any, filters: tuple[Any, ...] | None) ->
     data = values.tobytes()
     for f in filters or ():
         data = f.encode(data)
-    meta = ArrayMeta((2, 3, 4), (2, 3, 4), torch.float64, compressor=codec.get_config(),
-                     filters=tuple(f.get_config() for f in filters) if filters else None)
+    meta = ArrayMeta(
+        (2, 3, 4),
+        (2, 3, 4),
+        torch.float64,
+        compressor=codec.get_config(),
+        filters=tuple(f.get_config() for f in filters) if filters else None,
+    )
     assert torch.equal(decode_chunk(meta, codec.encode(data)), torch.from_numpy(values))
 
 
@@ -254,16 +327,22 @@ def test_tensor_bytes_and_bytes_to_tensor() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool], ids=str)
 def test_cloudckpt_arrays_open_in_zarr_python(tmp_path: pathlib.Path, dtype: torch.dtype) -> None:
     full = (torch.arange(48).reshape(6, 8) % 7).to(dtype)
-    parts = [ShardedTensor.from_rank_offsets("layer.w", full[2 * i:2 * i + 2], (0, i, 3))
-             for i in range(3)]
+    parts = [
+        ShardedTensor.from_rank_offsets("layer.w", full[2 * i : 2 * i + 2], (0, i, 3))
+        for i in range(3)
+    ]
     scalar = torch.tensor(5, dtype=dtype)
-    cloudckpt.save({"w": parts, "s": ShardedTensor.from_rank_offsets("s", scalar)},
-                   str(tmp_path / "ck"), sharded_strategy=("zarr", 1))
+    cloudckpt.save(
+        {"w": parts, "s": ShardedTensor.from_rank_offsets("s", scalar)},
+        str(tmp_path / "ck"),
+        sharded_strategy=("zarr", 1),
+    )
     array = zarr.open_array(str(tmp_path / "ck" / "layer.w"), mode="r")
     assert array.shape == (6, 8) and array.chunks == (2, 8)
     np.testing.assert_array_equal(array[:], full.numpy())
-    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "ck" / "s"), mode="r")[()],
-                                  scalar.numpy())
+    np.testing.assert_array_equal(
+        zarr.open_array(str(tmp_path / "ck" / "s"), mode="r")[()], scalar.numpy()
+    )
 
 
 def _load(sharded: dict[str, Any], uri: str) -> dict[str, Any]:
@@ -278,12 +357,25 @@ def _megatron_like_checkpoint(root: pathlib.Path) -> dict[str, np.ndarray]:
     root.mkdir()
     blosc = numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
     w = np.random.default_rng(0).standard_normal((10, 7)).astype(np.float32)
-    zarr.create_array(store=str(root / "w"), shape=w.shape, chunks=(4, 3), dtype="float32",
-                      zarr_format=2, compressors=blosc)[:] = w
+    zarr.create_array(
+        store=str(root / "w"),
+        shape=w.shape,
+        chunks=(4, 3),
+        dtype="float32",
+        zarr_format=2,
+        compressors=blosc,
+    )[:] = w
     s = np.arange(1, 31, dtype=np.int64).reshape(5, 6)
-    zarr.create_array(store=str(root / "s"), shape=s.shape, chunks=(2, 4), dtype="int64",
-                      zarr_format=2, compressors=numcodecs.Zstd(level=3), order="F",
-                      chunk_key_encoding={"name": "v2", "separator": "/"})[:] = s
+    zarr.create_array(
+        store=str(root / "s"),
+        shape=s.shape,
+        chunks=(2, 4),
+        dtype="int64",
+        zarr_format=2,
+        compressors=numcodecs.Zstd(level=3),
+        order="F",
+        chunk_key_encoding={"name": "v2", "separator": "/"},
+    )[:] = s
     (root / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
     torch.save({}, root / "common.pt")
     return {"w": w, "s": s}
@@ -294,17 +386,22 @@ def test_compressed_zarr_python_checkpoint_loads_with_resharding(tmp_path: pathl
     zarray = json.loads((tmp_path / "ck" / "w" / ".zarray").read_text())
     assert zarray["compressor"]["id"] == "blosc"
     uri = str(tmp_path / "ck")
-    whole = {k: ShardedTensor.from_rank_offsets(k, torch.from_numpy(np.zeros_like(v)))
-             for k, v in arrays.items()}
+    whole = {
+        k: ShardedTensor.from_rank_offsets(k, torch.from_numpy(np.zeros_like(v)))
+        for k, v in arrays.items()
+    }
     loaded = _load(whole, uri)
     for key, value in arrays.items():
         assert torch.equal(loaded[key], torch.from_numpy(value))
     for r in range(2):  # rows of w halved, columns of s in thirds: boxes span chunks
-        sd = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(5, 7), (0, r, 2)),
-              "s": ShardedTensor.from_rank_offsets("s", torch.empty(5, 2, dtype=torch.int64),
-                                                   (1, r + 1, 3))}
+        sd = {
+            "w": ShardedTensor.from_rank_offsets("w", torch.empty(5, 7), (0, r, 2)),
+            "s": ShardedTensor.from_rank_offsets(
+                "s", torch.empty(5, 2, dtype=torch.int64), (1, r + 1, 3)
+            ),
+        }
         part = _load(sd, uri)
-        assert torch.equal(part["w"], torch.from_numpy(arrays["w"][5 * r:5 * r + 5]))
+        assert torch.equal(part["w"], torch.from_numpy(arrays["w"][5 * r : 5 * r + 5]))
         cols = slice(2 * r + 2, 2 * r + 4)
         assert torch.equal(part["s"], torch.from_numpy(np.ascontiguousarray(arrays["s"][:, cols])))
 
@@ -316,8 +413,14 @@ def test_zarr_python_array_with_omitted_fill_value_chunk_loads(tmp_path: pathlib
     _megatron_like_checkpoint(root)
     b = np.zeros((4, 4), dtype=np.float32)
     b[2:] = 1.5
-    zarr.create_array(store=str(root / "b"), shape=b.shape, chunks=(2, 4), dtype="float32",
-                      zarr_format=2, fill_value=0)[:] = b
+    zarr.create_array(
+        store=str(root / "b"),
+        shape=b.shape,
+        chunks=(2, 4),
+        dtype="float32",
+        zarr_format=2,
+        fill_value=0,
+    )[:] = b
     assert not (root / "b" / "0.0").exists() and (root / "b" / "1.0").exists()
     loaded = _load({"b": ShardedTensor.from_rank_offsets("b", torch.empty(4, 4))}, str(root))
     assert torch.equal(loaded["b"], torch.from_numpy(b))
@@ -340,18 +443,27 @@ def _saved(tmp_path: pathlib.Path) -> tuple[str, torch.Tensor, torch.Tensor]:
     a = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     b = torch.arange(30, dtype=torch.int16).reshape(6, 5)
     uri = str(tmp_path / "ck")
-    cloudckpt.save({"a": [ShardedTensor.from_rank_offsets("a", a[4 * i:4 * i + 4], (0, i, 2))
-                          for i in range(2)],
-                    "b": ShardedTensor.from_rank_offsets("b", b)}, uri,
-                   sharded_strategy=("zarr", 1))
+    cloudckpt.save(
+        {
+            "a": [
+                ShardedTensor.from_rank_offsets("a", a[4 * i : 4 * i + 4], (0, i, 2))
+                for i in range(2)
+            ],
+            "b": ShardedTensor.from_rank_offsets("b", b),
+        },
+        uri,
+        sharded_strategy=("zarr", 1),
+    )
     return uri, a, b
 
 
 def test_tensor_reader_small_batches_stay_exact(tmp_path: pathlib.Path) -> None:
     uri, a, b = _saved(tmp_path)
     wanted = [ShardedTensor.from_rank_offsets("a", torch.empty(2, 8), (0, i, 4)) for i in range(4)]
-    wanted += [ShardedTensor.from_rank_offsets("b", torch.empty(3, 5, dtype=torch.int16),
-                                               (0, i, 2)) for i in range(2)]
+    wanted += [
+        ShardedTensor.from_rank_offsets("b", torch.empty(3, 5, dtype=torch.int16), (0, i, 2))
+        for i in range(2)
+    ]
     results = {}
     for batch_bytes, expect_batches in [(1 << 30, 1), (64, 5)]:  # 64: a0|a1|a2|a3|b0+b1
         storage = _CountingStorage(uri)
@@ -360,7 +472,7 @@ def test_tensor_reader_small_batches_stay_exact(tmp_path: pathlib.Path) -> None:
         assert storage.batches == expect_batches + 1  # + one read of the .zarray files
         assert sorted(reader.array_keys()) == ["a", "b"]
     for i, sh in enumerate(wanted):
-        expected = a[2 * i:2 * i + 2] if i < 4 else b[3 * (i - 4):3 * (i - 4) + 3]
+        expected = a[2 * i : 2 * i + 2] if i < 4 else b[3 * (i - 4) : 3 * (i - 4) + 3]
         assert torch.equal(results[64][id(sh)], expected)
         assert torch.equal(results[1 << 30][id(sh)], expected)
 
@@ -389,8 +501,9 @@ def test_tensor_reader_rejects_dtype_and_shape_mismatch(tmp_path: pathlib.Path) 
     uri, _, _ = _saved(tmp_path)
     reader = TensorReader(CheckpointStorage(uri))
     with pytest.raises(CheckpointingException, match=r"'a'.*stored dtype torch.float32"):
-        reader.load_all([ShardedTensor.from_rank_offsets("a", torch.empty(8, 8,
-                                                                          dtype=torch.float64))])
+        reader.load_all(
+            [ShardedTensor.from_rank_offsets("a", torch.empty(8, 8, dtype=torch.float64))]
+        )
     with pytest.raises(CheckpointingException, match="allow_shape_mismatch"):
         reader.load_all([ShardedTensor.from_rank_offsets("a", torch.empty(8, 9))])
     with pytest.raises(CheckpointKeyNotFoundError, match="nope"):

@@ -134,9 +134,7 @@ def check_uri(raw_uri: str, shown: str) -> None:
                 "file:// or a local path, memory://, and the other fsspec protocols"
             )
         if protocol in _BUCKET_PROTOCOLS and (not rest or rest.startswith("/")):
-            raise InvalidURIError(
-                f"{shown!r} names no bucket: expected {protocol}://BUCKET/PREFIX"
-            )
+            raise InvalidURIError(f"{shown!r} names no bucket: expected {protocol}://BUCKET/PREFIX")
         return
     broken = _BROKEN_SCHEME.match(raw_uri)
     if broken is None:

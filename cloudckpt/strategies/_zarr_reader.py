@@ -103,9 +103,7 @@ class TensorReader:
     def _check_compatible(self, sh: ShardedTensor, meta: ArrayMeta) -> None:
         where = f"tensor {sh.key!r} in checkpoint {self.storage.uri!r}"
         if meta.dtype != sh.dtype:
-            raise TensorMismatchError(
-                f"{where}: stored dtype {meta.dtype}, requested {sh.dtype}"
-            )
+            raise TensorMismatchError(f"{where}: stored dtype {meta.dtype}, requested {sh.dtype}")
         if tuple(meta.shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
             raise TensorMismatchError(
                 f"Global shape mismatch for loaded ({tuple(meta.shape)}) and expected "
