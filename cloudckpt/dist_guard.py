@@ -52,7 +52,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as torch_dist
@@ -254,7 +253,8 @@ def _await_verdict(guard: _Guard, base: str, bounds: Bounds, *, watch: bool) -> 
     deadline = started + bounds.collective_timeout_s
     heartbeat_s = bounds.heartbeat_timeout_s
     watcher = _Watcher(store, heartbeat_s) if watch and heartbeat_s > 0 else None
-    while not _wait_for(store, key, WAIT_SLICE_S):
+    naps = _naps()
+    while not _wait_for(store, key, WAIT_SLICE_S, naps):
         now = time.monotonic()
         proposal: dict[str, Any] | None = None
         if watcher is not None:
@@ -270,15 +270,30 @@ def _await_verdict(guard: _Guard, base: str, bounds: Bounds, *, watch: bool) -> 
     return _decode(store.get(key))
 
 
-def _wait_for(store: Any, key: str, seconds: float) -> bool:
-    """True when ``key`` exists within ``seconds``; False on the store's wait timeout."""
-    try:
-        store.wait([key], timedelta(seconds=seconds))
-    except RuntimeError as exc:
-        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+def _wait_for(store: Any, key: str, seconds: float, naps: Iterator[float]) -> bool:
+    """True when ``key`` exists within ``seconds``, else False; ``naps`` (from
+    :func:`_naps`, one per wait, shared by its slices) spaces the polls.
+
+    Polled with ``check``, not ``store.wait`` with a timeout: a ``TCPStore`` (torchrun's)
+    logs a C++ warning at every wait that times out, which a rank waiting at a barrier
+    for a slower one did five times a second.
+    """
+    deadline = time.monotonic() + seconds
+    while not store.check([key]):
+        left = deadline - time.monotonic()
+        if left <= 0:
             return False
-        raise
+        time.sleep(min(next(naps), left))
     return True
+
+
+def _naps() -> Iterator[float]:
+    """Pauses between polls of one wait: from 0.5 ms, doubling, then 0.1 s (a rank that
+    waits long asks the store ten times a second)."""
+    nap = 0.0005
+    while True:
+        yield nap
+        nap = min(2 * nap, 0.1)
 
 
 def _decode(value: Any) -> str:
