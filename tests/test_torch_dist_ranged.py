@@ -453,3 +453,32 @@ def test_tp4_quarters_on_every_store(checkpoint_uri: tuple[str, dict[str, Any]])
     ranged, whole = totals
     # 4 quarters (+ CRC blocks) instead of 4 halves, plus the same metadata reads
     assert whole - ranged >= 4 * (4 * MiB - 2 * BLOCK), totals
+
+
+def test_a_whole_load_reads_in_few_large_requests_on_every_store(
+    checkpoint_uri: tuple[str, dict[str, Any]],
+) -> None:
+    """Loading many items of one object: local disks read each item's elements straight
+    into its tensor; object stores fetch the items' ranges in merged runs of blocks (a
+    part at most per GET), not one GET per item and two per item boundary."""
+    uri, options = checkpoint_uri
+    options = {k: v for k, v in options.items() if k != "skip_instance_cache"}
+    shape = (1000, 1500)  # float32: items of 3 MB, 36 MB in one object
+    specs = {f"w{i}": (shape, 0, torch.float32) for i in range(6)}
+    _save_tp2(uri, specs, options)
+    request = {
+        f"{key}.{rank}": sh
+        for key in specs
+        for rank, sh in enumerate(_shards(key, shape, 0, 2, torch.float32, empty=True))
+    }
+    loaded, stats = _counted(
+        lambda: cloudckpt.load(
+            request, uri, storage_options=options, validate_access_integrity=False
+        )
+    )
+    for key in specs:
+        for rank in range(2):
+            assert torch.equal(loaded[f"{key}.{rank}"], reference(key, shape).chunk(2)[rank])
+    assert stats.bytes_read >= 12 * 500 * 1500 * 4
+    if uri.startswith(("s3://", "gs://")):  # two 32 MiB runs, plus the metadata reads
+        assert stats.reads <= 8, stats

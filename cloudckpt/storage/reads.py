@@ -147,8 +147,14 @@ class StorageReads(StorageHandle):
         direct: builtins.list[tuple[ReadRequest, memoryview]] = []
         edges: builtins.list[tuple[ReadRequest, memoryview]] = []
         for request, view in views:
-            if not self.expected.needs_whole_read(request, view.nbytes):
+            if self.expected.needs_whole_read(request, view.nbytes):
+                continue
+            if self.transport.reads_in_place or self.expected.blocks_of(request.path) is None:
                 self._split(request, view, direct, edges)
+            else:  # fetched with the others in merged runs of blocks (see Transport)
+                end = request.start + view.nbytes
+                self.expected.check_range(request.path, request.start, end)
+                edges.append((ReadRequest(request.path, request.start, end), view))
         ranges = [
             (request.path, request.start + a, view[a:b])
             for request, view in direct

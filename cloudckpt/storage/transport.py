@@ -42,6 +42,10 @@ class Transport:
     """
 
     multipart = False  # objects above part_size go up in concurrent parts (S3)
+    # Reads into caller buffers cost no request of their own (local files): a buffer's
+    # whole blocks are read straight into it. Elsewhere the ranges of many buffers are
+    # fetched in merged runs of up to a part (fewer, larger GETs) and copied out.
+    reads_in_place = False
 
     def __init__(
         self,
@@ -119,6 +123,8 @@ class LocalTransport(Transport):
     """Local disks: directories made on demand, real ``O_EXCL`` creates (fsspec's
     ``mode="create"`` checks, then opens: two racing creates could both win), and reads
     straight into the caller's buffer."""
+
+    reads_in_place = True
 
     def put(self, path: str, view: memoryview, checksum: int) -> None:
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
