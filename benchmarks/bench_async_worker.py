@@ -24,7 +24,10 @@ in the same run (1.00 = the upload costs training nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import multiprocessing as mp
+import queue
 import statistics
 import tempfile
 import threading
@@ -75,12 +78,12 @@ def _worker(inbox: Any, outbox: Any, uri: str, options: dict[str, Any]) -> None:
     while (job := inbox.get()) is not None:
         prefix, name, layout = job
         block = shared_memory.SharedMemory(name=name)
-        try:
-            storage = CheckpointStorage(f"{uri}/{prefix}", storage_options=options)
-            view = block.buf
-            storage.write_many([(path, view[start:end]) for path, start, end in layout])
-            del view
-        finally:
+        storage = CheckpointStorage(f"{uri}/{prefix}", storage_options=options)
+        view = block.buf
+        storage.write_many([(path, view[start:end]) for path, start, end in layout])
+        del view, storage
+        gc.collect()  # the S3 client's last references to the views
+        with contextlib.suppress(BufferError):  # a view still referenced: it goes with us
             block.close()
         outbox.put(prefix)
 
@@ -98,7 +101,7 @@ def _thread_mode(
 
 
 def _process_mode(
-    objects: list[tuple[str, bytes]], inbox: Any, outbox: Any
+    objects: list[tuple[str, bytes]], inbox: Any, outbox: Any, worker: Any
 ) -> tuple[float, Callable[[], bool], Callable[[], None], shared_memory.SharedMemory]:
     started = time.perf_counter()
     total = sum(len(data) for _, data in objects)
@@ -113,7 +116,14 @@ def _process_mode(
     done = threading.Event()
 
     def wait() -> None:
-        outbox.get()
+        while True:  # a worker that died answers nothing: fail instead of waiting forever
+            try:
+                outbox.get(timeout=1.0)
+                break
+            except queue.Empty as empty:
+                if not worker.is_alive():
+                    died = f"the worker process died (exit {worker.exitcode})"
+                    raise RuntimeError(died) from empty
         done.set()
 
     waiter = threading.Thread(target=wait, daemon=True)
@@ -131,7 +141,7 @@ def _run(args: argparse.Namespace, uri: str, options: dict[str, Any]) -> None:
     inbox, outbox = ctx.Queue(), ctx.Queue()
     worker = ctx.Process(target=_worker, args=(inbox, outbox, uri, options), daemon=True)
     worker.start()
-    *_, join, block = _process_mode([("warm-up", b"0")], inbox, outbox)
+    *_, join, block = _process_mode([("warm-up", b"0")], inbox, outbox, worker)
     join()  # the worker's imports and first connection: not timed
     block.close()
     block.unlink()
@@ -148,7 +158,7 @@ def _run(args: argparse.Namespace, uri: str, options: dict[str, Any]) -> None:
             if mode == "thread":
                 blocking, busy, join = _thread_mode(storage_of, objects)
             else:
-                blocking, busy, join, block = _process_mode(objects, inbox, outbox)
+                blocking, busy, join, block = _process_mode(objects, inbox, outbox, worker)
             steps = _steps_while(busy, small, big)
             join()
             upload = time.perf_counter() - started
