@@ -24,7 +24,8 @@ once per rank on the simulating core, as a receiving rank does. Then the real fu
   and writer (``create_global_plan``, ``prepare_global_plan``) on every rank's local plan,
   then ``finish`` (``.metadata`` from every rank's item results, into ``memory://``);
 * ``merge``: ``commit``'s coordinator step, ``build_manifest`` on every rank's write
-  results and tensor entries, and the manifest's canonical JSON.
+  results and tensor entries, and the manifest's canonical JSON (the records are
+  gathered on the coordinator only: the other ranks send theirs and receive nothing).
 
 Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
 to one core, so other load on the machine stretches wall time, not these figures),
