@@ -240,7 +240,7 @@ def simulate(
     if backend == "zarr":
         records = _zarr_steps(row, world, shards_of, pause_gc)
     else:
-        records = _torch_dist_steps(row, world, shards_of)
+        records = _torch_dist_steps(row, world, shards_of, pause_gc)
     with _paused(pause_gc):  # commit
         records = _exchange(row, "merge", "commit", records)
         manifest = _timed(
@@ -363,7 +363,7 @@ def _result(path: str, size: int) -> WriteResult:
 
 
 def _torch_dist_steps(
-    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]]
+    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
 ) -> list[Any]:
     strategy = TorchDistSaveShardedStrategy()
     storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
@@ -373,12 +373,15 @@ def _torch_dist_steps(
         writers.append(writer)
         planners.append(planner)
         local_plans.append(plan)
-    local_plans = _exchange(row, "plan", "dcp_plan", local_plans)
     coordinator, writer = planners[0], writers[0]
-    plans, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(local_plans))
-    plans = _timed(row, "plan", lambda: writer.prepare_global_plan(plans))
-    item_results = _exchange(row, "plan", "dcp_results", [dcp_item_results(p) for p in plans])
-    _timed(row, "plan", lambda: writer.finish(metadata, item_results))
+    with _paused(pause_gc):  # save_state_dict's gather and global step
+        local_plans = _exchange(row, "plan", "dcp_plan", local_plans)
+        plans, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(local_plans))
+        plans = _timed(row, "plan", lambda: writer.prepare_global_plan(plans))
+    item_results = [dcp_item_results(p) for p in plans]
+    with _paused(pause_gc):  # save_state_dict's gather and finish
+        item_results = _exchange(row, "plan", "dcp_results", item_results)
+        _timed(row, "plan", lambda: writer.finish(metadata, item_results))
     row.artifacts["dcp_metadata"] = writer.metadata
     records = []
     for rank in range(world.size):
