@@ -24,13 +24,15 @@ once per rank on the simulating core, as a receiving rank does. Then the real fu
   and writer (``create_global_plan``, ``prepare_global_plan``) on every rank's local plan,
   then ``finish`` (``.metadata`` from every rank's item results, into ``memory://``);
 * ``merge``: ``commit``'s coordinator step, ``build_manifest`` on every rank's write
-  results and tensor entries, and the manifest's canonical JSON.
+  results and tensor entries, and the manifest's canonical JSON (the records are
+  gathered on the coordinator only: the other ranks send theirs and receive nothing).
 
 Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
 to one core, so other load on the machine stretches wall time, not these figures),
 microseconds per (rank x tensor) of their total (constant when the steps grow linearly),
-and the pickled bytes one rank sends in each exchange (validation metadata, flat-shard
-metadata or DCP local plan and item results, commit record).
+the pickled bytes one rank sends in each exchange (validation metadata, flat-shard
+metadata or DCP local plan and item results, commit record), and the bytes a rank
+other than the coordinator receives (the all-gathers: ``recv MB/rank``).
 Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
 one core's time for what the coordinator (and, for ``gather`` and ``validate``, every rank)
 does, not a distributed run; on a shared machine they are provisional.
@@ -197,6 +199,15 @@ class Row:
         return sum(self.seconds.values())
 
     @property
+    def received_per_rank(self) -> int:
+        """Bytes a rank other than the coordinator receives in the all-gathers (each
+        pads every rank's payload to the longest): the sharding metadata and, for zarr,
+        the flat shards. The commit records and DCP's plans and results are gathered on
+        the coordinator only (a rank receives its own global plan back)."""
+        gathered = ("sharding", "flat")
+        return sum(self.ranks * self.bytes_per_rank.get(name, 0) for name in gathered)
+
+    @property
     def us_per_rank_tensor(self) -> float:
         """Microseconds of all steps per (rank x tensor)."""
         return self.total / (self.ranks * self.tensors) * 1e6
@@ -239,7 +250,7 @@ def simulate(
     if backend == "zarr":
         records = _zarr_steps(row, world, shards_of, pause_gc)
     else:
-        records = _torch_dist_steps(row, world, shards_of)
+        records = _torch_dist_steps(row, world, shards_of, pause_gc)
     with _paused(pause_gc):  # commit
         records = _exchange(row, "merge", "commit", records)
         manifest = _timed(
@@ -362,7 +373,7 @@ def _result(path: str, size: int) -> WriteResult:
 
 
 def _torch_dist_steps(
-    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]]
+    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
 ) -> list[Any]:
     strategy = TorchDistSaveShardedStrategy()
     storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
@@ -372,12 +383,15 @@ def _torch_dist_steps(
         writers.append(writer)
         planners.append(planner)
         local_plans.append(plan)
-    local_plans = _exchange(row, "plan", "dcp_plan", local_plans)
     coordinator, writer = planners[0], writers[0]
-    plans, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(local_plans))
-    plans = _timed(row, "plan", lambda: writer.prepare_global_plan(plans))
-    item_results = _exchange(row, "plan", "dcp_results", [dcp_item_results(p) for p in plans])
-    _timed(row, "plan", lambda: writer.finish(metadata, item_results))
+    with _paused(pause_gc):  # save_state_dict's gather and global step
+        local_plans = _exchange(row, "plan", "dcp_plan", local_plans)
+        plans, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(local_plans))
+        plans = _timed(row, "plan", lambda: writer.prepare_global_plan(plans))
+    item_results = [dcp_item_results(p) for p in plans]
+    with _paused(pause_gc):  # save_state_dict's gather and finish
+        item_results = _exchange(row, "plan", "dcp_results", item_results)
+        _timed(row, "plan", lambda: writer.finish(metadata, item_results))
     row.artifacts["dcp_metadata"] = writer.metadata
     records = []
     for rank in range(world.size):
@@ -433,7 +447,7 @@ def print_table(rows: list[Row]) -> None:
     head = f"{'backend':10} {'ranks':>5} {'tensors':>7} {'TPxPPxDP':>10} "
     head += " ".join(f"{s + ' s':>10}" for s in steps)
     head += f" {'total s':>8} {'us/r*t':>7} {'x 1st':>6}"
-    head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10}"
+    head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10} {'recv MB/rank':>12}"
     print(head)
     base: dict[str, float] = {}
     for row in rows:
@@ -447,12 +461,18 @@ def print_table(rows: list[Row]) -> None:
             + f" {row.total:>8.2f} {row.us_per_rank_tensor:>7.2f}"
             + f" {row.us_per_rank_tensor / base[row.backend]:>6.2f}"
             + f" {sent.get('sharding', 0):>21,} {plan_bytes:>10,} {sent.get('commit', 0):>10,}"
+            + f" {row.received_per_rank / 1e6:>12.1f}"
         )
 
 
 def _json_row(row: Row) -> dict[str, Any]:
     doc = {f.name: getattr(row, f.name) for f in fields(row) if f.name != "artifacts"}
-    return {**doc, "total": row.total, "us_per_rank_tensor": row.us_per_rank_tensor}
+    return {
+        **doc,
+        "total": row.total,
+        "us_per_rank_tensor": row.us_per_rank_tensor,
+        "received_per_rank": row.received_per_rank,
+    }
 
 
 def pin_one_core() -> int:

@@ -5,9 +5,9 @@ committed by two small create-once writes after all data is stored.
    create-only: a second job writing the same URI fails here, before it overwrites
    anything.
 2. Every rank uploads its objects; each write returns (path, size, crc32c).
-3. :func:`commit` gathers the write results over torch.distributed (nothing is read
-   back from the store), the coordinator creates ``manifest.json`` create-only, then
-   writes ``metadata.json`` (Megatron-Core's marker, exactly its keys) last.
+3. :func:`commit` gathers the write results on the coordinator over torch.distributed
+   (nothing is read back from the store), which creates ``manifest.json`` create-only,
+   then writes ``metadata.json`` (Megatron-Core's marker, exactly its keys) last.
 
 :func:`read_commit_state` tells committed, uncommitted and foreign (Megatron-Core or
 PyTorch-written: ``metadata.json`` without a claim or manifest) checkpoints apart.
@@ -302,7 +302,8 @@ def commit(
     *,
     claimed: WriteResult | None = None,
 ) -> Manifest | None:
-    """Gather every rank's write results; the coordinator writes ``manifest.json``
+    """Gather every rank's write results on the coordinator (the only rank that needs
+    them), which writes ``manifest.json``
     (create-only) and then ``metadata.json``. Collective.
 
     Args:
@@ -323,10 +324,11 @@ def commit(
 
     entries = list(results)
     manifest = None
-    with dist.paused_gc():  # every rank's records, unpickled and merged
-        gathered = dist.all_gather_object((entries, list(tensors), list(common_keys)))
+    with dist.paused_gc():  # every rank's records, unpickled and merged by the coordinator
+        # only the coordinator merges them: the other ranks send, and receive nothing
+        gathered = dist.gather_object((entries, list(tensors), list(common_keys)), COORDINATOR)
         with dist.agree(f"committing checkpoint {storage.uri!r}"):
-            if dist.get_rank() == COORDINATOR:
+            if gathered is not None:  # the coordinator
                 _check_claim(storage, claimed)
                 manifest = _write_commit(storage, build_manifest(gathered, backends), backends)
         del gathered  # before the collector runs again

@@ -80,12 +80,15 @@ def gather_objects(what: str, obj: Any, dst: int, group: Any = None) -> list[Any
     sizes = _sizes(what, payload.numel(), group, device)
     longest = max(sizes)
     on_dst = torch_dist.get_rank() == dst
-    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-    work = torch_dist.gather(
-        _padded(payload, longest), out if on_dst else None, dst=dst, group=group, async_op=True
+    # receive buffers on ``dst`` only: the other ranks send and receive nothing
+    out = (
+        [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if on_dst else None
     )
+    work = torch_dist.gather(_padded(payload, longest), out, dst=dst, group=group, async_op=True)
     await_works(what, [work], group)
-    return [_decode(t, size) for t, size in zip(out, sizes, strict=True)] if on_dst else None
+    return (
+        [_decode(t, size) for t, size in zip(out, sizes, strict=True)] if out is not None else None
+    )
 
 
 def broadcast_object(what: str, obj: Any, src: int, group: Any = None) -> Any:

@@ -87,8 +87,9 @@ def save_state_dict(
 
     def global_step(plans: list[SavePlan]) -> list[SavePlan]:
         nonlocal global_metadata
-        plans, global_metadata = planner.create_global_plan(plans)
-        return writer.prepare_global_plan(plans)
+        with dist.paused_gc():  # every rank's items, planned at once (see paused_gc)
+            plans, global_metadata = planner.create_global_plan(plans)
+            return writer.prepare_global_plan(plans)
 
     central = wrapper.reduce_scatter("plan", local_step, global_step)
 
@@ -99,7 +100,8 @@ def save_state_dict(
 
     def finish(results: list[Any]) -> Metadata:
         assert global_metadata is not None, "the coordinator planned no metadata"
-        writer.finish(metadata=global_metadata, results=results)
+        with dist.paused_gc():  # every rank's item results, merged at once
+            writer.finish(metadata=global_metadata, results=results)
         return global_metadata
 
     return wrapper.all_reduce("write", write, finish)

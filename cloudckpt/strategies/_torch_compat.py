@@ -32,13 +32,14 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 from torch.distributed._shard.sharded_tensor.shard import Shard
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, WriteItemType
 
 from cloudckpt import dist
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from cloudckpt.strategies._dcp_plan import LinearGlobalPlanMixin
 from cloudckpt.strategies._dcp_reader import ORIG_SHAPE_KEY
 from cloudckpt.strategies._dcp_storage import MCoreMetadata, MCoreSavePlan
 from cloudckpt.strategies.checkpointable import (
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 OBJ_PATH = tuple[str | int, ...]
 
 
-class MCoreSavePlanner(DefaultSavePlanner):
+class MCoreSavePlanner(LinearGlobalPlanMixin):
     """DCP's default save planner, plus Megatron-Core's: ``BytesIO`` items (ShardedObjects,
     already ``torch.save``-d) are written as they are, on every rank, and each rank's
     ``mcore_data`` (original shapes of N-D flattened tensors) travels in its plan

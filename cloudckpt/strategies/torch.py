@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
@@ -58,6 +57,7 @@ from cloudckpt.mapping import (
 from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult
 from cloudckpt.strategies._dcp_dist import save_state_dict
 from cloudckpt.strategies._dcp_errors import TorchDistSaveError, save_failure
+from cloudckpt.strategies._dcp_plan import LinearGlobalPlanMixin
 from cloudckpt.strategies._dcp_reader import (
     ORIG_SHAPE_KEY,
     DcpCheckpoint,
@@ -130,12 +130,14 @@ def to_dcp_state_dict(
     return state, extra
 
 
-class _PackedObjectsSavePlanner(DefaultSavePlanner):
+class _PackedObjectsSavePlanner(LinearGlobalPlanMixin):
     """DCP's default planner, except that bytes items are stored as the ``BytesIO``
     already holds them (``torch.save([data])``, as Megatron-Core stores ShardedObjects)
     instead of being pickled once more. Unlike :class:`MCoreSavePlanner` it leaves the
     metadata a plain DCP ``Metadata`` (the writer adds ``mcore_data``), so that no
-    cloudckpt class is pickled into a checkpoint that stock Megatron-Core must read."""
+    cloudckpt class is pickled into a checkpoint that stock Megatron-Core must read.
+    The coordinator's step is linear (:class:`~cloudckpt.strategies._dcp_plan.
+    LinearGlobalPlanMixin`: DCP's plans and metadata, without DCP's per-item costs)."""
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if write_item.type == WriteItemType.BYTE_IO and isinstance(object, io.BytesIO):

@@ -1,0 +1,131 @@
+"""The linear coordinator step of torch_dist saves (cloudckpt.strategies._dcp_plan) gives
+DCP's own global plans and metadata (pickled byte for byte) for TP x PP x DP layouts,
+and leaves every case it cannot prove valid to DCP (duplicates, overlaps, gaps, chunks
+out of bounds or off a grid), whose results and errors are then DCP's."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+
+from cloudckpt.storage import open_checkpoint
+from cloudckpt.strategies._dcp_plan import linear_global_save_plan
+from cloudckpt.strategies.torch import _PackedObjectsSavePlanner
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_simulate as sim
+
+
+def _local_plans(world: sim.World, tensors: int) -> list[SavePlan]:
+    shards_of = sim.rank_shards(world, tensors)
+    storage = open_checkpoint(f"memory://test-dcp-plan-{os.getpid()}")
+    plans = [sim.dcp_local_step(r, shards_of(r), storage)[2] for r in range(world.size)]
+    return [pickle.loads(pickle.dumps(p)) for p in plans]  # as gathered
+
+
+def _dcp(plans: list[SavePlan]) -> tuple[list[SavePlan], object]:
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    return planner.create_global_plan(plans)
+
+
+@pytest.mark.parametrize(
+    "world", [sim.World(1, 1, 1, 16), sim.World(2, 2, 2, 16), sim.World(4, 2, 3, 24)]
+)
+def test_same_plans_and_metadata_as_dcp(world):
+    plans = _local_plans(world, 13)
+    fast = linear_global_save_plan(plans)
+    assert fast is not None
+    expected_plans, expected_md = _dcp(plans)
+    assert pickle.dumps(fast[1]) == pickle.dumps(expected_md)
+    assert pickle.dumps(fast[0]) == pickle.dumps(expected_plans)
+    assert [[i.index.index for i in p.items] for p in fast[0]] == [
+        [i.index.index for i in p.items] for p in expected_plans
+    ]
+
+
+def test_planner_uses_it_and_records_the_plan():
+    plans = _local_plans(sim.World(2, 1, 2, 16), 6)
+    planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    global_plan, metadata = planner.create_global_plan(plans)
+    assert planner.global_plan is global_plan and planner.metadata is metadata
+    assert pickle.dumps(metadata) == pickle.dumps(_dcp(plans)[1])
+
+
+def _edit_chunk(plans: list[SavePlan], rank: int, offsets, sizes) -> list[SavePlan]:
+    """``plans`` with rank ``rank``'s first tensor item moved to ``offsets``/``sizes``."""
+    plan = plans[rank]
+    pos, item = next((i, it) for i, it in enumerate(plan.items) if it.tensor_data is not None)
+    chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+    data = dataclasses.replace(item.tensor_data, chunk=chunk)
+    index = dataclasses.replace(item.index, offset=torch.Size(offsets))
+    new: WriteItem = dataclasses.replace(item, tensor_data=data, index=index)
+    items = [*plan.items[:pos], new, *plan.items[pos + 1 :]]
+    return [*plans[:rank], dataclasses.replace(plan, items=items), *plans[rank + 1 :]]
+
+
+def _first_tensor(plans: list[SavePlan]) -> WriteItem:
+    return next(i for i in plans[0].items if i.tensor_data is not None)
+
+
+def test_defers_to_dcp_on_duplicates():
+    plans = _local_plans(sim.World(2, 1, 1, 16), 5)
+    doubled = [plans[0], dataclasses.replace(plans[1], items=[*plans[1].items, plans[0].items[1]])]
+    assert linear_global_save_plan(doubled) is None
+    deduped, _ = _dcp(doubled)  # DCP de-duplicates them
+    assert sum(len(p.items) for p in deduped) == sum(len(p.items) for p in plans)
+
+
+@pytest.mark.parametrize(
+    "edit, dcp_error",
+    [
+        (lambda size: ([1, 0], [size[0] // 2, size[1]]), "overlapping chunks"),  # shifted
+        (lambda size: ([size[0], 0], [size[0] // 2, size[1]]), "out of bounds"),
+        (lambda size: ([0, 0], [1, 1]), "invalid fill"),  # a gap
+    ],
+)
+def test_defers_to_dcp_on_invalid_chunks(edit, dcp_error):
+    plans = _local_plans(sim.World(2, 1, 1, 16), 5)
+    item = _first_tensor(plans)
+    size = tuple(item.tensor_data.size)
+    bad = _edit_chunk(plans, 1 if "overlap" in dcp_error else 0, *edit(size))
+    assert linear_global_save_plan(bad) is None
+    with pytest.raises(ValueError, match=dcp_error):
+        _dcp(bad)
+    planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    with pytest.raises(ValueError, match=dcp_error):
+        planner.create_global_plan(bad)
+
+
+def test_defers_to_dcp_off_a_grid_and_agrees_when_valid():
+    """Chunks that tile a tensor without forming a grid are valid: DCP's step runs."""
+    plans = _local_plans(sim.World(1, 1, 1, 16), 1)  # one (3h x h) = (48, 16) tensor
+    size = tuple(_first_tensor(plans).tensor_data.size)
+    assert size == (48, 16)
+    # split into (0,0)+(24,16) rows and two (24,8) halves below: a tiling, not a grid
+    base = plans[0]
+    tensor = _first_tensor(plans)
+    pieces = [((0, 0), (24, 16)), ((24, 0), (24, 8)), ((24, 8), (24, 8))]
+    items = []
+    for offsets, sizes in pieces:
+        chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+        items.append(
+            dataclasses.replace(
+                tensor,
+                tensor_data=dataclasses.replace(tensor.tensor_data, chunk=chunk),
+                index=dataclasses.replace(tensor.index, offset=torch.Size(offsets)),
+            )
+        )
+    rest = [i for i in base.items if i is not tensor]
+    tiled = [dataclasses.replace(base, items=[items[0], *rest]), SavePlan(items[1:])]
+    assert linear_global_save_plan(tiled) is None
+    planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    _, metadata = planner.create_global_plan(tiled)
+    assert pickle.dumps(metadata) == pickle.dumps(_dcp(tiled)[1])
