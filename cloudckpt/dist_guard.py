@@ -161,6 +161,10 @@ class _Guard:
         """Ranks that have not checked in at the round ``base``."""
         return [r for r in self.ranks if not self.store.check([f"{base}/{r}"])]
 
+    def arrived(self, base: str) -> list[int]:
+        """Ranks that have checked in at the round ``base``."""
+        return [r for r in self.ranks if self.store.check([f"{base}/{r}"])]
+
 
 class _State:
     def __init__(self) -> None:
@@ -450,7 +454,12 @@ def await_works(
         except RuntimeError as exc:
             if isinstance(exc, CollectiveError):
                 raise
-            raise lost_in_collective(what, exc, group, peers) from exc
+            error = lost_in_collective(what, exc, group, peers)
+            waited = round(time.monotonic() - started, 1)
+            lost_ranks = error.ranks or others
+            verdict = {"kind": "lost", "ranks": lost_ranks, "s": bounds.heartbeat_timeout_s}
+            _poison_next(guard, {**verdict, "waited": waited})
+            raise error from exc
         time.sleep(nap)
         nap = min(2 * nap, _LAST_NAP_S)
         now = time.monotonic()
@@ -461,9 +470,33 @@ def await_works(
         if lost or now - started >= bounds.collective_timeout_s:
             kind = "lost" if lost else "timeout"
             seconds = bounds.heartbeat_timeout_s if lost else bounds.collective_timeout_s
-            verdict = {"kind": kind, "ranks": lost or others, "s": seconds}
+            verdict = {"kind": kind, "ranks": lost or _not_past(guard, others), "s": seconds}
             verdict["waited"] = round(now - started, 1)
+            _poison_next(guard, verdict)
             raise _verdict_error(verdict, f"{what} (inside the backend's collective)", guard.rank)
+
+
+def _not_past(guard: _Guard, others: list[int]) -> list[int]:
+    """Of ``others``, the ranks not yet waiting at the next check-in: those that left the
+    collective (a gather's senders finish before its root) are alive, so the ones still
+    missing are the suspects; all of ``others`` when none has moved on."""
+    try:
+        ahead = set(guard.arrived(f"{guard.tag}/{guard.seq + 1}/in"))
+    except Exception as exc:  # noqa: BLE001 - name every peer then
+        logger.debug("could not read the next check-in: %s", exc)
+        return others
+    return [r for r in others if r not in ahead] or others
+
+
+def _poison_next(guard: _Guard, verdict: Mapping[str, Any]) -> None:
+    """Make ``verdict`` the verdict of this group's next check-in: a rank that already
+    left the failed collective (a gather's senders do not wait for its root) and waits
+    there learns the failure at once instead of waiting for a rank that will not come."""
+    key = f"{guard.tag}/{guard.seq + 1}/in/verdict"
+    try:
+        guard.store.compare_set(key, "", json.dumps(dict(verdict)))
+    except Exception as exc:  # noqa: BLE001 - the others fall back on their own bounds
+        logger.debug("could not publish the failure of a collective: %s", exc)
 
 
 _FIRST_NAP_S = 0.0002  # polling a work: sleeps double from here ...
