@@ -466,6 +466,9 @@ def await_works(
         if now < look_at:
             continue
         look_at = now + WAIT_SLICE_S
+        published = _published_failure(guard)
+        if published is not None:  # a peer gave up on this collective (it was stopped?)
+            raise _verdict_error(published, f"{what} (inside the backend's collective)", guard.rank)
         lost = watcher.stopped(others) if watch else []
         if lost or now - started >= bounds.collective_timeout_s:
             kind = "lost" if lost else "timeout"
@@ -486,6 +489,21 @@ def _not_past(guard: _Guard, others: list[int]) -> list[int]:
         logger.debug("could not read the next check-in: %s", exc)
         return others
     return [r for r in others if r not in ahead] or others
+
+
+def _published_failure(guard: _Guard) -> dict[str, Any] | None:
+    """The failure a peer published for the next check-in (see :func:`_poison_next`):
+    a rank still waiting in the collective it gave up on (say, one that was frozen and
+    resumed) learns it instead of waiting for ranks that left."""
+    key = f"{guard.tag}/{guard.seq + 1}/in/verdict"
+    try:
+        if not guard.store.check([key]):
+            return None
+        value = _decode(guard.store.get(key))
+    except Exception as exc:  # noqa: BLE001 - the bounds still apply
+        logger.debug("could not read a published failure: %s", exc)
+        return None
+    return None if value == _OK else dict(json.loads(value))
 
 
 def _poison_next(guard: _Guard, verdict: Mapping[str, Any]) -> None:
