@@ -259,7 +259,12 @@ def test_a_rank_killed_or_frozen_mid_save_is_named_on_every_other_rank(
     for out in survivors:
         assert out["raised"], out
         assert kind in out["kinds"] and "CheckpointingException" in out["kinds"], out
-        assert out["failed_ranks"] == [victim] and f"rank {victim}:" in out["message"], out
+        assert f"rank {victim}:" in out["message"], out
+        if bounds["heartbeat_timeout_s"]:
+            assert out["failed_ranks"] == [victim], out
+        else:  # no heartbeats: a rank frozen inside a backend collective, which all
+            # waiting ranks entered, can only be named among the peers none saw leave
+            assert victim in out["failed_ranks"], out
     # the survivors first finish their own uploads, then wait one bound at most
     assert max(took) < BOUND_S, took
     ok, victim_out = outcomes[victim]
