@@ -18,25 +18,10 @@ from cloudckpt.validation import (
     group_by_key,
     validate_sharding_integrity,
 )
+from tests.test_validation import st
 
 TP, DP = 4, 6  # 24 shards per key: above the fast path's threshold
 World = list[list[ShardedBase]]
-
-
-def st(
-    key: str,
-    local: tuple[int, ...],
-    glob: tuple[int, ...],
-    offset: tuple[int, ...],
-    replica: int | tuple[int, ...] = 0,
-    dtype: torch.dtype = torch.float32,
-    flat: slice | None = None,
-    prepend: int = 0,
-) -> ShardedTensor:
-    """A data-less ShardedTensor, as gathered from another rank."""
-    return ShardedTensor(
-        key, None, dtype, local, glob, offset, None, replica, prepend, flattened_range=flat
-    )
 
 
 def layout() -> World:
