@@ -279,17 +279,26 @@ def _seaweedfs_sockets(server: ServerProcess) -> list[Path]:
     return [Path(f"/tmp/seaweedfs-{role}-{port}.sock") for port in ports for role in roles]
 
 
-def _seaweedfs_ready(server: ServerProcess) -> bool:
-    """True once the S3 gateway answers a signed ListBuckets (which needs the filer)."""
-    import boto3  # type: ignore[import-untyped]  # noqa: PLC0415
-    from botocore.config import Config  # type: ignore[import-untyped]  # noqa: PLC0415
+def _s3_client(server: ServerProcess, **options: Any) -> Any:
+    """A boto3 S3 client of the SeaweedFS server (its test credentials)."""
+    import boto3  # type: ignore[import-untyped]  # noqa: PLC0415 - only with a server
 
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=server.endpoint,
         aws_access_key_id=SEAWEEDFS_KEY,
         aws_secret_access_key=SEAWEEDFS_SECRET,
         region_name=SEAWEEDFS_REGION,
+        **options,
+    )
+
+
+def _seaweedfs_ready(server: ServerProcess) -> bool:
+    """True once the S3 gateway answers a signed ListBuckets (which needs the filer)."""
+    from botocore.config import Config  # type: ignore[import-untyped]  # noqa: PLC0415
+
+    client = _s3_client(
+        server,
         config=Config(
             connect_timeout=SEAWEEDFS_POLL_TIMEOUT_S,
             read_timeout=SEAWEEDFS_POLL_TIMEOUT_S,
@@ -341,17 +350,10 @@ def seaweedfs_s3() -> Iterator[ServerProcess]:
 def seaweedfs_bucket() -> Iterator[tuple[str, dict[str, Any]]]:
     """A SeaweedFS server with a fresh bucket: yields ``(s3://bucket, storage options)``
     (fsspec/s3fs style, as cloudckpt takes them); stops the server after."""
-    import boto3  # noqa: PLC0415
 
     with seaweedfs_s3() as server:
         bucket = f"cloudckpt-bench-{os.urandom(4).hex()}"
-        client = boto3.client(
-            "s3",
-            endpoint_url=server.endpoint,
-            aws_access_key_id=SEAWEEDFS_KEY,
-            aws_secret_access_key=SEAWEEDFS_SECRET,
-            region_name=SEAWEEDFS_REGION,
-        )
+        client = _s3_client(server)
         client.create_bucket(Bucket=bucket)
         client.close()
         options = {
