@@ -109,7 +109,7 @@ def save(
             (``RankLostError`` / ``CollectiveTimeoutError``, naming it).
     """
     default_sharded = (config.backend, 1) if config is not None else DEFAULT_SHARDED_BACKEND
-    with dist.bounded(config):
+    with dist.bounded(config), dist.paused_gc():
         session = SaveSession.open(
             checkpoint_uri(checkpoint_dir),
             _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, default_sharded),
@@ -235,7 +235,7 @@ def load(
         CollectiveError: a rank died, froze or stayed away from a collective.
     """
     uri = checkpoint_uri(checkpoint_dir)
-    with weights_only_scope(weights_only), dist.bounded(config):
+    with weights_only_scope(weights_only), dist.bounded(config), dist.paused_gc():
         state, missing, unexpected = load_checkpoint(
             uri,
             sharded_state_dict,
