@@ -65,6 +65,7 @@ from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.strategies._append_buffer import AppendBuffer
 from cloudckpt.strategies._dcp_ranges import (
+    Record,
     RecordedStorageInfo,
     plain_info,
     storage_record,
@@ -72,6 +73,7 @@ from cloudckpt.strategies._dcp_ranges import (
 )
 from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
 from cloudckpt.strategies._host_copies import HOST_COPIES
+from cloudckpt.strategies._torch_save_template import TEMPLATES
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -147,16 +149,27 @@ class _Object:
         offset = self.size
         record = None
         if isinstance(data, torch.Tensor):
-            self.buffer.reserve(_estimated_size(data))  # torch.save writes in one pass
             with HOST_COPIES.host(data) as host, _without_zip_crc32():
-                torch.save(host, cast(IO[bytes], self.buffer))  # it only writes
-            with self.buffer.view(offset, self.size) as item:
-                record = storage_record(item)
+                record = self._append_tensor(host, offset)
         elif isinstance(data, io.BytesIO):
             self.buffer.write(data.getbuffer())
         else:
             raise CheckpointingException(f"cannot store a {type(data).__name__} as a DCP item")
         return RecordedStorageInfo(self.path, offset, self.size - offset, record=record)
+
+    def _append_tensor(self, tensor: torch.Tensor, offset: int) -> Record | None:
+        """Append ``tensor``'s ``torch.save`` bytes (cached records around its elements
+        where :mod:`._torch_save_template` can, else ``torch.save`` itself)."""
+        saved = TEMPLATES.saved(tensor)
+        if saved is not None:
+            self.buffer.reserve(saved.nbytes)
+            for part in (saved.head, saved.elements, saved.tail):
+                self.buffer.write(part)
+            return saved.record
+        self.buffer.reserve(_estimated_size(tensor))  # torch.save writes in one pass
+        torch.save(tensor, cast(IO[bytes], self.buffer))  # it only writes
+        with self.buffer.view(offset, self.size) as item:
+            return storage_record(item)
 
     def payload(self) -> memoryview:
         return self.buffer.view()
