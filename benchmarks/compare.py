@@ -15,7 +15,11 @@ spread over their replicas), as plain tensors under keys unique to their shard:
   mcore-0.19         Megatron-Core 0.19's ``dist_checkpointing.save/load`` (torch_dist) to
                      local disk, run in the compat environment (``scripts/compat-env.sh
                      mcore-0.19``; built if missing) by ``benchmarks/_compare_mcore.py``;
-  cloudckpt          cloudckpt (torch_dist), on local disk and S3.
+  cloudckpt          cloudckpt (torch_dist), on local disk and S3;
+  raw                the limit, not a peer: each rank's share as one file (plain
+                     ``write()`` / ``readinto()``) on local disk, or one object (boto3's
+                     transfer manager, 16 requests in flight, cloudckpt's part size:
+                     concurrent multipart PUTs and ranged GETs) on S3.
 
 Rounds run every peer in turn (A B C A B C ...); each figure is the best round's, the
 slowest rank's time between two barriers. S3 is a SeaweedFS server started on a loopback
@@ -156,6 +160,30 @@ def _run_torch(share: dict[str, Any], uri: str, rank: int) -> tuple[float, float
     return _timed(lambda: raw.torch_save(path, share)), _timed(lambda: raw.torch_load(path))
 
 
+def _run_raw(share: dict[str, Any], uri: str, rank: int, target: Target) -> tuple[float, float]:
+    payload = raw.payload_of(share)
+    if target.name == "local":
+        directory = raw.local_path(uri)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"rank{rank}.bin"
+        sink = bytearray(len(payload))
+        return (
+            _timed(lambda: raw.write_file(path, payload)),
+            _timed(lambda: raw.read_file(path, sink)),
+        )
+    setting = raw.S3_SETTINGS[0]
+    client = raw.s3_client(target.options, setting)
+    config = raw.transfer_config(setting, CheckpointConfig().part_size)
+    bucket, prefix = raw.split_s3(f"{uri}/rank{rank}.bin")
+    try:
+        return (
+            _timed(lambda: raw.s3_put(client, bucket, prefix, payload, config)),
+            _timed(lambda: raw.s3_get(client, bucket, prefix, config)),
+        )
+    finally:
+        client.close()
+
+
 def _run_cloudckpt(
     spec: WorkloadSpec, state: Any, rank: int, uri: str, options: dict[str, Any]
 ) -> tuple[float, float]:
@@ -190,6 +218,8 @@ def _rank_peer(
         return _run_torch(share, uri, rank)
     if peer == "cloudckpt":
         return _run_cloudckpt(spec, state, rank, uri, options)
+    if peer == "raw":
+        return _run_raw(share, uri, rank, target)
     threads = TUNED_THREADS if peer.endswith(f"x{TUNED_THREADS}") else 1
     if peer.startswith("dcp fsspec"):
         return _run_dcp(share, uri, lambda: _dcp_fsspec(uri, options, threads))
@@ -206,8 +236,16 @@ def warm_up(rank: int, world: int, size: int) -> int:
 
 # -- the parent ------------------------------------------------------------------------------
 
-LOCAL_PEERS = ("torch.save", "dcp fsspec", f"dcp fsspec x{TUNED_THREADS}", MCORE_ENV, "cloudckpt")
+LOCAL_PEERS = (
+    "raw",
+    "torch.save",
+    "dcp fsspec",
+    f"dcp fsspec x{TUNED_THREADS}",
+    MCORE_ENV,
+    "cloudckpt",
+)
 S3_PEERS = (
+    "raw",
     "dcp fsspec",
     f"dcp fsspec x{TUNED_THREADS}",
     "s3torchconnector",

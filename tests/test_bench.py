@@ -162,7 +162,7 @@ def test_workload_shares_cover_the_checkpoint_once(world_size: int) -> None:
 
 def test_compare_runs_the_peers_side_by_side_on_one_workload(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
-    peers = "torch.save,dcp fsspec,cloudckpt"
+    peers = "raw,torch.save,dcp fsspec,cloudckpt"
     proc = subprocess.run(
         [
             sys.executable,
