@@ -12,13 +12,14 @@ ordered tp fastest, then dp, then pp): per layer of its pipeline stage, four wei
 ShardedTensors replicated over DP (``replica_id``), and each weight's two Adam moments as
 distributed-optimizer shards (``flattened_range``: a DP slice of the TP shard), plus one
 ShardedObject (``rng_state``). The inputs of each step are what the real collectives
-deliver: each rank's payload is pickled as ``all_gather_object`` pickles it, and unpickled
-once per rank on the simulating core, as a receiving rank does. Then the real functions run:
+deliver: each rank's payload is pickled as the object collectives pickle it, and unpickled
+once per rank on the simulating core, as the receiving rank does. Then the real functions run:
 
-* ``gather``: unpickling every rank's sharding metadata (``SaveSession._prepare``'s
-  ``all_gather_object``), the cost every rank pays for the exchange;
+* ``gather``: unpickling every rank's sharding metadata on the coordinator
+  (``SaveSession._check_every_rank``'s ``gather_object``);
 * ``validate``: ``gather_keys`` + ``validate_key_set`` + ``validate_gathered_sharding``,
-  what every rank runs on the gathered metadata before anything is written;
+  what the coordinator runs on the gathered metadata before anything is written (its
+  verdict is broadcast: every rank raises the same error);
 * ``plan``: zarr: ``plan_flat_chunks`` on every rank's flattened shards (the assembly of
   distributed-optimizer chunks); torch_dist: DCP's coordinator step with cloudckpt's planner
   and writer (``create_global_plan``, ``prepare_global_plan``) on every rank's local plan,
@@ -34,7 +35,7 @@ the pickled bytes one rank sends in each exchange (validation metadata, flat-sha
 metadata or DCP local plan and item results, commit record), and the bytes a rank
 other than the coordinator receives (the all-gathers: ``recv MB/rank``).
 Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
-one core's time for what the coordinator (and, for ``gather`` and ``validate``, every rank)
+one core's time for what the coordinator
 does, not a distributed run; on a shared machine they are provisional.
 """
 
@@ -201,10 +202,10 @@ class Row:
     @property
     def received_per_rank(self) -> int:
         """Bytes a rank other than the coordinator receives in the all-gathers (each
-        pads every rank's payload to the longest): the sharding metadata and, for zarr,
-        the flat shards. The commit records and DCP's plans and results are gathered on
-        the coordinator only (a rank receives its own global plan back)."""
-        gathered = ("sharding", "flat")
+        pads every rank's payload to the longest): for zarr, the flat shards. The
+        sharding metadata, the commit records and DCP's plans and results are gathered
+        on the coordinator only (a rank receives its own global plan back)."""
+        gathered = ("flat",)
         return sum(self.ranks * self.bytes_per_rank.get(name, 0) for name in gathered)
 
     @property
@@ -289,7 +290,8 @@ def materialize(shards: list[ShardedBase]) -> dict[str, ShardedBase]:
 
 
 def check(gathered: list[list[ShardedBase]], backend: str) -> None:
-    """What every rank runs on the gathered metadata of a save (``SaveSession._prepare``)."""
+    """What the coordinator runs on the gathered metadata of a save
+    (``SaveSession._check_every_rank``)."""
     objects_with_tensors = backend == "torch_dist"
     validate_key_set(
         gather_keys(dict(enumerate(gathered))),

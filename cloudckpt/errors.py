@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterable
+from typing import Any
 
 from cloudckpt.redact import redact_text
 
@@ -33,6 +34,10 @@ class ShardingValidationError(CheckpointingException, ValueError):
     def __init__(self, message: str, violations: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.violations = violations
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # to the other ranks with its violations (the coordinator checks for all)
+        return type(self), (str(self), self.violations)
 
 
 class InvalidKeyError(CheckpointingException, ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -372,3 +373,11 @@ def test_plan_flat_chunks_skips_non_flat_and_misaligned() -> None:
     world = [[st("dense", (4,), (8,), (0,)), st("odd", (4,), (8,), (2,), flat=slice(0, 4))]]
     assert plan_flat_chunks(world) == []
     assert plan_flat_chunks([]) == []
+
+
+def test_a_sharding_error_travels_to_the_other_ranks_whole() -> None:
+    """The coordinator's verdict is pickled to the other ranks: with its violations."""
+    error = ShardingValidationError("2 violations", ("overlap at (0, 0)", "gap at (4, 0)"))
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is ShardingValidationError
+    assert str(copy) == "2 violations" and copy.violations == error.violations
