@@ -60,6 +60,8 @@ from cloudckpt.strategies.bound import (
     CommonSaver,
     SerializingCommonSaver,
     ShardedSaver,
+    StagedSave,
+    StagingSaver,
     StorageBackedMixin,
     bind_common_saver,
     bind_sharded_saver,
@@ -258,15 +260,24 @@ class SaveSession:
         claimed = claim(self.storage)
         staging = StagingStorage.over(self.storage)
         results: list[WriteResult] = [claimed] if claimed is not None else []
+        staged: StagedSave | None = None
         with dist.agree(f"staging checkpoint {shown!r}"), logged_failure("stage", shown):
-            results += self._write(parts, common_bytes, staging)
+            if isinstance(self.sharded, StagingSaver) and self.objects_with_tensors:
+                staged = self.sharded.stage_to(self.storage, parts[3], self.config)
+                results += self._write_common(parts, common_bytes, staging)
+            else:
+                results += self._write(parts, common_bytes, staging)
         logger.debug("rank %d staged %d bytes for %s", dist.get_rank(), staging.staged_bytes, shown)
 
         def upload() -> None:
             with logged_failure("upload", shown):
                 staging.upload()
+                if staged is not None:
+                    staged.upload()
 
         def finalize() -> None:
+            if staged is not None:
+                results.extend(staged.finish())
             self._commit(parts, results, claimed)
             log_rate("saved", shown, sum(r.size for r in results), len(results), started)
 
@@ -333,15 +344,24 @@ class SaveSession:
         them), the common state on the coordinator, else objects by the common strategy;
         through ``storage`` (default: the session's)."""
         storage = storage or self.storage
-        objects, tensors, common, sharded = parts
+        _, tensors, _, sharded = parts
         with_objects = self.objects_with_tensors
         results = self.sharded.save_to(storage, sharded if with_objects else tensors, self.config)
+        return results + self._write_common(parts, common_bytes, storage)
+
+    def _write_common(
+        self, parts: StateParts, common_bytes: bytes | None, storage: CheckpointStorage
+    ) -> list[WriteResult]:
+        """The common state on the coordinator, and the ShardedObjects when the sharded
+        strategy does not write them."""
+        objects, _, common, _ = parts
+        results: list[WriteResult] = []
         if dist.get_rank() == COORDINATOR:
             if common_bytes is not None and isinstance(self.common, SerializingCommonSaver):
                 results += self.common.write_serialized_common(storage, common_bytes)
             else:
                 results += self.common.save_common_to(storage, common)
-        if not with_objects:
+        if not self.objects_with_tensors:
             results += self.common.save_objects_to(storage, objects)
         return results
 
