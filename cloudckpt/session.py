@@ -244,10 +244,15 @@ class SaveSession:
     ) -> AsyncRequest:
         """Prepare, validate, claim and run the strategies now, staging every object in
         host memory; return the request whose ``async_fn`` uploads this rank's objects
-        and whose finalize function commits. Collective (and so is finalizing)."""
+        and whose finalize function commits. Collective (and so is finalizing).
+
+        A sharded strategy with ``stage_to`` (:class:`~cloudckpt.strategies.bound.
+        StagingSaver`: torch_dist) only copies its tensors to host memory and plans
+        here; it serializes and uploads them in ``async_fn`` and finishes (``.metadata``)
+        in the finalize function, before the commit."""
         started = time.perf_counter()
         shown = self.storage.uri
-        if not isinstance(self.sharded, StorageBackedMixin) or not isinstance(
+        if not _writes_through_storage(self.sharded) or not isinstance(
             self.common, StorageBackedMixin
         ):
             raise CheckpointingException(
@@ -364,6 +369,16 @@ class SaveSession:
         if not self.objects_with_tensors:
             results += self.common.save_objects_to(storage, objects)
         return results
+
+
+def _writes_through_storage(strategy: Any) -> bool:
+    """Whether ``strategy`` writes only through the storage it is handed (so its writes
+    can be staged): a storage-backed strategy, or a wrapper (Megatron-Core's
+    ``base_strategy``, e.g. the fully parallel one) around one."""
+    if isinstance(strategy, StorageBackedMixin):
+        return True
+    base = getattr(strategy, "base_strategy", None)
+    return base is not None and _writes_through_storage(base)
 
 
 def validate_gathered_sharding(

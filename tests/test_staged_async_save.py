@@ -18,6 +18,7 @@ import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.strategies.async_utils import AsyncCallsQueue
+from cloudckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from cloudckpt.strategies.torch import StagedDcpSave, TorchDistSaveShardedStrategy
 
 ROWS, COLS = 8, 6
@@ -149,3 +150,21 @@ def test_a_failed_background_upload_is_raised_at_finalize_on_every_rank(
 ) -> None:
     messages = rank_pool.run(_failed_upload_scenario, str(tmp_path))
     assert all("disk full on rank 2" in m or "rank 2" in m for m in messages), messages
+
+
+def _fully_parallel_scenario(rank: int, world: int, base: str) -> int:
+    """Megatron's usual setup: a fully parallel wrapper over a cached-plan torch_dist
+    strategy, saving asynchronously, twice (the second reuses the plans)."""
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    wrapper = FullyParallelSaveStrategyWrapper(strategy, do_cache_distribution=True)
+    for step in (1, 2):
+        uri = os.path.join(base, f"fp{step}")
+        _async_save(_state(rank, world, step), uri, wrapper, validate=step == 1)
+        _check(uri, rank, world, step)
+    return strategy.plan_cache.reused
+
+
+def test_fully_parallel_async_save_stages_through_the_wrapped_strategy(
+    rank_pool: Any, tmp_path: Any
+) -> None:
+    assert rank_pool.run(_fully_parallel_scenario, str(tmp_path)) == [1] * 4
