@@ -314,10 +314,13 @@ class SaveSession:
         with dist.agree(f"preparing checkpoint {shown!r}"):
             apply_factories(sharded_state_dict)
             parts = split_state_dict(sharded_state_dict)
-            local = [
-                *local_metadata(parts[0], shown, check_keys=False),
-                *local_metadata(parts[1], shown, check_keys=False),
-            ]
+            if validate:  # the shards' metadata travels: without their data
+                local = [
+                    *local_metadata(parts[0], shown, check_keys=False),
+                    *local_metadata(parts[1], shown, check_keys=False),
+                ]
+            else:  # only their keys travel (_check_every_rank): no copies needed
+                local = [v for v in nested_values(parts[3]) if isinstance(v, ShardedBase)]
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)
         with dist.paused_gc():  # every rank's metadata, unpickled and checked
