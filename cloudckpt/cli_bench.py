@@ -81,6 +81,21 @@ def _add_bench(subparsers: Subparsers) -> None:
         "--backend", choices=["torch_dist", "zarr"], default="torch_dist", help="default torch_dist"
     )
     add("--repeat", type=int, default=1, help="rounds of every phase, best kept (default 1)")
+    add(
+        "--fully-parallel",
+        action="store_true",
+        help="also save with FullyParallelSaveStrategyWrapper and load with "
+        "FullyParallelLoadStrategyWrapper over the data-parallel group, interleaved with "
+        "the plain save and load; prints the ratios fully parallel / plain and the reads",
+    )
+    add(
+        "--constant-structure",
+        action="store_true",
+        help="also make repeated async saves through one torch_dist strategy with "
+        "cached_metadata=True (Megatron-Core's ckpt_assume_constant_structure): the "
+        "blocking time of the first save and of the later ones, which reuse the plan "
+        "and skip the sharding validation",
+    )
     add("--json", dest="json_file", metavar="FILE", help="write every figure to FILE as JSON")
     add("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib: the bench extra)")
     _add_storage_option_flag(
@@ -117,6 +132,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--world-size must be 1-16, got {args.world_size}")
     if args.repeat < 1:
         raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.constant_structure and args.backend != "torch_dist":
+        raise UsageError("--constant-structure needs --backend torch_dist (its plan cache)")
     if args.plot:
         report.require_matplotlib()
     with _destination(args) as (uri, storage_options):
@@ -131,6 +148,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             backend=args.backend,
             storage_options=storage_options,
             repeat=args.repeat,
+            fully_parallel=args.fully_parallel,
+            constant_structure=args.constant_structure,
         )
         spec, ranks, run = run_bench(options)
     config = CheckpointConfig(backend=args.backend)

@@ -299,6 +299,36 @@ def _merge_unique(per_rank: list[dict[_ShardId, Any]], what: str) -> dict[_Shard
     return merged
 
 
+BROADCAST_BUCKET_BYTES = 64 * 2**20
+"""The most bytes of shards the broadcast exchange sends in one broadcast (a larger
+shard goes alone): few collectives for many small shards, bounded extra memory."""
+
+
+def _broadcast_buckets(
+    shard_distribution: ShardDistribution, limit: int | None = None
+) -> list[tuple[int, list[tuple[_ShardId, int]]]]:
+    """The exchanged shards as ``(loading rank, [(shard id, bytes)])`` buckets: each
+    rank's shards in distribution order, cut at ``limit`` bytes (default
+    :data:`BROADCAST_BUCKET_BYTES`). The same on every rank (it depends on the
+    distribution only)."""
+    limit = BROADCAST_BUCKET_BYTES if limit is None else limit
+    meta = shard_distribution.shard_to_metadata
+    by_rank: dict[int, list[tuple[_ShardId, int]]] = {}
+    for shard_id, rank in _exchanged_shards(shard_distribution):
+        by_rank.setdefault(rank, []).append((shard_id, _shard_size(meta[shard_id])))
+    buckets: list[tuple[int, list[tuple[_ShardId, int]]]] = []
+    for rank in sorted(by_rank):
+        current: list[tuple[_ShardId, int]] = []
+        for shard_id, size in by_rank[rank]:
+            if current and sum(n for _, n in current) + size > limit:
+                buckets.append((rank, current))
+                current = []
+            current.append((shard_id, size))
+        if current:
+            buckets.append((rank, current))
+    return buckets
+
+
 @torch.no_grad()
 def exchange_loaded_tensors_broadcast(
     loaded_tensors: Mapping[_ShardId, torch.Tensor],
@@ -306,7 +336,9 @@ def exchange_loaded_tensors_broadcast(
     shard_distribution: ShardDistribution,
     parallelization_group: Any = None,
 ) -> dict[_ShardId, torch.Tensor]:
-    """Exchange loaded shards with one broadcast per shard from its loading rank.
+    """Exchange loaded shards by broadcasts from their loading ranks: the shards of one
+    loading rank go concatenated, up to :data:`BROADCAST_BUCKET_BYTES` per broadcast
+    (Megatron-Core broadcasts each shard alone: one collective per shard).
 
     Returns:
         ``loaded_tensors`` plus every shard of ``unloaded_shards`` received.
@@ -315,13 +347,14 @@ def exchange_loaded_tensors_broadcast(
         local_rank = dist.get_rank(parallelization_group)
         device = _comm_device(parallelization_group)
         result = dict(loaded_tensors)
-        meta = shard_distribution.shard_to_metadata
         dist.check_in("exchanging loaded shards", parallelization_group)
-        for shard_id, rank in _exchanged_shards(shard_distribution):
+        for rank, bucket in _broadcast_buckets(shard_distribution):
             if rank == local_rank:
-                payload = _as_bytes(result[shard_id]).to(device)
+                parts = [_as_bytes(result[shard_id]) for shard_id, _ in bucket]
+                payload = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
             else:
-                payload = torch.empty(_shard_size(meta[shard_id]), dtype=torch.uint8, device=device)
+                total = sum(size for _, size in bucket)
+                payload = torch.empty(total, dtype=torch.uint8, device=device)
             src = (
                 rank
                 if parallelization_group is None
@@ -333,9 +366,15 @@ def exchange_loaded_tensors_broadcast(
             dist.await_collective(
                 "exchanging loaded shards (broadcast)", work, parallelization_group
             )
-            if rank != local_rank and shard_id in unloaded_shards:
-                target = _receive_target(shard_id, unloaded_shards)
-                result[shard_id] = _fill(target, payload.to(target.device))
+            if rank == local_rank:
+                continue
+            offset = 0
+            for shard_id, size in bucket:
+                if shard_id in unloaded_shards:
+                    target = _receive_target(shard_id, unloaded_shards)
+                    piece = payload[offset : offset + size]
+                    result[shard_id] = _fill(target, piece.to(target.device))
+                offset += size
         return result
 
 

@@ -60,6 +60,8 @@ from cloudckpt.strategies.bound import (
     CommonSaver,
     SerializingCommonSaver,
     ShardedSaver,
+    StagedSave,
+    StagingSaver,
     StorageBackedMixin,
     bind_common_saver,
     bind_sharded_saver,
@@ -242,10 +244,15 @@ class SaveSession:
     ) -> AsyncRequest:
         """Prepare, validate, claim and run the strategies now, staging every object in
         host memory; return the request whose ``async_fn`` uploads this rank's objects
-        and whose finalize function commits. Collective (and so is finalizing)."""
+        and whose finalize function commits. Collective (and so is finalizing).
+
+        A sharded strategy with ``stage_to`` (:class:`~cloudckpt.strategies.bound.
+        StagingSaver`: torch_dist) only copies its tensors to host memory and plans
+        here; it serializes and uploads them in ``async_fn`` and finishes (``.metadata``)
+        in the finalize function, before the commit."""
         started = time.perf_counter()
         shown = self.storage.uri
-        if not isinstance(self.sharded, StorageBackedMixin) or not isinstance(
+        if not _writes_through_storage(self.sharded) or not isinstance(
             self.common, StorageBackedMixin
         ):
             raise CheckpointingException(
@@ -258,15 +265,24 @@ class SaveSession:
         claimed = claim(self.storage)
         staging = StagingStorage.over(self.storage)
         results: list[WriteResult] = [claimed] if claimed is not None else []
+        staged: StagedSave | None = None
         with dist.agree(f"staging checkpoint {shown!r}"), logged_failure("stage", shown):
-            results += self._write(parts, common_bytes, staging)
+            if isinstance(self.sharded, StagingSaver) and self.objects_with_tensors:
+                staged = self.sharded.stage_to(self.storage, parts[3], self.config)
+                results += self._write_common(parts, common_bytes, staging)
+            else:
+                results += self._write(parts, common_bytes, staging)
         logger.debug("rank %d staged %d bytes for %s", dist.get_rank(), staging.staged_bytes, shown)
 
         def upload() -> None:
             with logged_failure("upload", shown):
                 staging.upload()
+                if staged is not None:
+                    staged.upload()
 
         def finalize() -> None:
+            if staged is not None:
+                results.extend(staged.finish())
             self._commit(parts, results, claimed)
             log_rate("saved", shown, sum(r.size for r in results), len(results), started)
 
@@ -298,10 +314,13 @@ class SaveSession:
         with dist.agree(f"preparing checkpoint {shown!r}"):
             apply_factories(sharded_state_dict)
             parts = split_state_dict(sharded_state_dict)
-            local = [
-                *local_metadata(parts[0], shown, check_keys=False),
-                *local_metadata(parts[1], shown, check_keys=False),
-            ]
+            if validate:  # the shards' metadata travels: without their data
+                local = [
+                    *local_metadata(parts[0], shown, check_keys=False),
+                    *local_metadata(parts[1], shown, check_keys=False),
+                ]
+            else:  # only their keys travel (_check_every_rank): no copies needed
+                local = [v for v in nested_values(parts[3]) if isinstance(v, ShardedBase)]
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)
         with dist.paused_gc():  # every rank's metadata, unpickled and checked
@@ -350,15 +369,24 @@ class SaveSession:
         them), the common state on the coordinator, else objects by the common strategy;
         through ``storage`` (default: the session's)."""
         storage = storage or self.storage
-        objects, tensors, common, sharded = parts
+        _, tensors, _, sharded = parts
         with_objects = self.objects_with_tensors
         results = self.sharded.save_to(storage, sharded if with_objects else tensors, self.config)
+        return results + self._write_common(parts, common_bytes, storage)
+
+    def _write_common(
+        self, parts: StateParts, common_bytes: bytes | None, storage: CheckpointStorage
+    ) -> list[WriteResult]:
+        """The common state on the coordinator, and the ShardedObjects when the sharded
+        strategy does not write them."""
+        objects, _, common, _ = parts
+        results: list[WriteResult] = []
         if dist.get_rank() == COORDINATOR:
             if common_bytes is not None and isinstance(self.common, SerializingCommonSaver):
                 results += self.common.write_serialized_common(storage, common_bytes)
             else:
                 results += self.common.save_common_to(storage, common)
-        if not with_objects:
+        if not self.objects_with_tensors:
             results += self.common.save_objects_to(storage, objects)
         return results
 
@@ -373,6 +401,16 @@ def _travelling(error: BaseException | None) -> BaseException | None:
         return error
     except Exception:  # noqa: BLE001 - any unpicklable error is sent as its message
         return CheckpointingException(f"{type(error).__name__}: {error}")
+
+
+def _writes_through_storage(strategy: Any) -> bool:
+    """Whether ``strategy`` writes only through the storage it is handed (so its writes
+    can be staged): a storage-backed strategy, or a wrapper (Megatron-Core's
+    ``base_strategy``, e.g. the fully parallel one) around one."""
+    if isinstance(strategy, StorageBackedMixin):
+        return True
+    base = getattr(strategy, "base_strategy", None)
+    return base is not None and _writes_through_storage(base)
 
 
 def validate_gathered_sharding(

@@ -56,6 +56,7 @@ def _assert_common(figures: dict[str, Any], raw_phases: tuple[str, ...]) -> None
     work = figures["workload"]
     assert figures["world_size"] == WORLD_SIZE
     assert work["total_bytes"] == sum(work["share_bytes_per_rank"]) > 0
+    assert figures["bytes_read"]["load"] > 0 and figures["reads"]["load"] > 0
     assert all(b > 0 for b in work["state_bytes_per_rank"])
     for phase in CLOUDCKPT_PHASES + raw_phases:
         assert figures["seconds"][phase] > 0, phase
@@ -86,6 +87,49 @@ def test_bench_local_directory_reports_every_figure_and_leaves_nothing(tmp_path:
     assert figures["backend"] == "zarr"
     assert "save_over_raw_write" in proc.stdout and "MB/s" in proc.stdout
     assert list(base.iterdir()) == []  # the run's checkpoints and raw files removed
+
+
+def test_bench_fully_parallel_and_constant_structure_report_their_figures(
+    tmp_path: Path,
+) -> None:
+    """3 ranks: TP 1 x DP 3, every model tensor replicated 3 times. The runner checks
+    every loaded tensor against the saved one (a mismatch fails the run)."""
+    out = tmp_path / "figures.json"
+    base = tmp_path / "bench"
+    base.mkdir()
+    proc = _bench(
+        "--uri",
+        str(base),
+        "--world-size",
+        "3",
+        "--fully-parallel",
+        "--constant-structure",
+        "--json",
+        str(out),
+    )
+    figures = _figures(proc, out)
+    assert figures["workload"]["dp"] == 3
+    seconds, rates, ratios = figures["seconds"], figures["mb_per_s"], figures["ratios"]
+    for phase in ("save_fully_parallel", "load_fully_parallel"):
+        assert seconds[phase] > 0 and rates[phase] > 0, phase
+    assert ratios["save_fully_parallel_over_plain"] > 0
+    assert ratios["load_fully_parallel_over_plain"] > 0
+    assert figures["objects"]["save_fully_parallel"] > 2
+    # each replicated shard read by one replica instead of three
+    reads = figures["bytes_read"]
+    assert 0 < reads["load_fully_parallel"] < reads["load"]
+    for phase in ("async_blocking_first", "async_blocking_later"):
+        assert seconds[phase] > 0, phase
+        assert ratios[f"{phase}_over_copy"] > 0, phase
+    assert "save_fully_parallel_over_plain" in proc.stdout
+    assert "async_blocking_later" in proc.stdout
+    assert list(base.iterdir()) == []
+
+
+def test_bench_constant_structure_needs_torch_dist(tmp_path: Path) -> None:
+    proc = _bench("--uri", str(tmp_path), "--backend", "zarr", "--constant-structure")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--constant-structure needs --backend torch_dist" in proc.stderr
 
 
 @pytest.fixture(params=REAL_S3_CASES)
@@ -158,6 +202,24 @@ def test_workload_shares_cover_the_checkpoint_once(world_size: int) -> None:
     state = build_state(spec, 0)
     dtypes = {t.dtype for t in local_tensors(state)}
     assert dtypes == {torch.bfloat16, torch.float32}
+
+
+def test_workload_replicas_hold_the_same_values() -> None:
+    """Every copy of a shard (same key and offset on several ranks) holds the same
+    values: a load of the main replica must equal what every replica saved."""
+    spec = plan_workload(4 * 2**20, 4)  # TP 2 x DP 2
+    seen: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    copies = 0
+    for rank in range(4):
+        state = build_state(spec, rank)
+        for group in ("model", "optimizer"):
+            for item in state[group].values():
+                where = (item.key, tuple(item.global_offset))
+                if where in seen:
+                    copies += 1
+                    assert torch.equal(seen[where], item.data), (where, rank)
+                seen.setdefault(where, item.data)
+    assert copies > 0
 
 
 def test_compare_runs_the_peers_side_by_side_on_one_workload(tmp_path: Path) -> None:

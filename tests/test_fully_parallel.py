@@ -301,6 +301,34 @@ def _algo_scenario(rank: int, world: int, uri: str, algo: str) -> int:
     return sum(requested.values()), sum(alone.values())
 
 
+def _small_buckets_scenario(rank: int, world: int, base: str) -> list[int]:
+    """The broadcast exchange with buckets of at most 256 bytes (several shards per
+    broadcast, and shards larger than a bucket alone); _scenario checks every tensor."""
+    from cloudckpt import exchange_utils  # noqa: PLC0415
+
+    exchange_utils.BROADCAST_BUCKET_BYTES = 256
+    try:
+        group = _dp_group(rank, "dp4")
+        state = build_state(rank, "dp4", with_object=False)
+        sizes = [
+            len(bucket)
+            for _, bucket in exchange_utils._broadcast_buckets(
+                exchange_utils.determine_main_replica_uniform_distribution(state, group, True)
+            )
+        ]
+        _scenario(rank, world, base, "torch_dist", "dp4", "broadcast")
+    finally:
+        exchange_utils.BROADCAST_BUCKET_BYTES = 64 * 2**20
+    return sizes
+
+
+def test_broadcast_exchange_in_buckets_of_several_shards(rank_pool: Any, tmp_path: Any) -> None:
+    sizes = rank_pool.run(_small_buckets_scenario, str(tmp_path))
+    assert all(s == sizes[0] for s in sizes)  # the same buckets on every rank
+    assert max(sizes[0]) > 1 and min(sizes[0]) == 1
+    assert sum(sizes[0]) == len(TENSORS)  # every tensor replicated on the 4 ranks
+
+
 @pytest.mark.parametrize("algo", ["gather_object", "gather_rounds"])
 def test_other_exchange_algorithms(rank_pool: Any, tmp_path: Any, algo: str) -> None:
     read = rank_pool.run(_algo_scenario, str(tmp_path / "ckpt"), algo)

@@ -1,9 +1,10 @@
 """``cloudckpt bench``'s figures: gathered from the ranks, as a table, JSON and a PNG.
 
 Throughputs are the checkpoint's bytes (each replicated tensor counted once) over the
-slowest rank's time. Ratios compare throughputs (1.0: as fast as the raw limit), except
-``async_blocking_over_copy``, which compares times (1.0: the training loop blocks only
-as long as one copy of its state to host memory takes).
+slowest rank's time. Ratios compare throughputs (1.0: as fast as the raw limit; for
+``*_fully_parallel_over_plain``, as fast as the plain save or load), except the
+``async_blocking*_over_copy`` ones, which compare times (1.0: the training loop blocks
+only as long as one copy of its state to host memory takes).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ _S3_RATIOS = (
     ("save", "raw_put", "save_over_raw_put"),
     ("load", "raw_get", "load_over_raw_get"),
 )
+# measured with --fully-parallel: the wrapped save and load against the plain ones
+_PARALLEL_RATIOS = (
+    ("save_fully_parallel", "save", "save_fully_parallel_over_plain"),
+    ("load_fully_parallel", "load", "load_fully_parallel_over_plain"),
+)
+# async blocking phases (--constant-structure adds the first and later saves)
+_BLOCKING = ("async_blocking", "async_blocking_first", "async_blocking_later")
 
 
 def summarize(
@@ -52,11 +60,18 @@ def summarize(
     s3 = "raw_put" in best
     ratios = {
         name: throughput[ours] / throughput[theirs]
-        for ours, theirs, name in (_S3_RATIOS if s3 else _LOCAL_RATIOS)
+        for ours, theirs, name in (*(_S3_RATIOS if s3 else _LOCAL_RATIOS), *_PARALLEL_RATIOS)
         if ours in throughput and theirs in throughput
     }
-    ratios["async_blocking_over_copy"] = seconds["async_blocking"] / seconds["copy_to_host"]
+    ratios.update(
+        {
+            f"{phase}_over_copy": seconds[phase] / seconds["copy_to_host"]
+            for phase in _BLOCKING
+            if phase in seconds
+        }
+    )
     requests = sorted({phase for r in ranks for phase in r["requests"]})
+    loads = sorted({phase for r in ranks for phase in r.get("reads", {})})
     return {
         "uri": uri,
         "backend": backend,
@@ -89,6 +104,9 @@ def summarize(
         ],
         "requests": {p: sum(r["requests"].get(p, 0) for r in ranks) for p in requests},
         "requests_counted": s3,
+        # object reads and bytes read by cloudckpt's phases, all ranks (every store)
+        "reads": {p: sum(r["reads"].get(p, 0) for r in ranks) for p in loads},
+        "bytes_read": {p: sum(r["bytes_read"].get(p, 0) for r in ranks) for p in loads},
         "objects": dict(ranks[0]["objects"]),
         "crt_available": crt,
         # raw settings that failed (the optional CRT client), by setting, per rank
@@ -114,12 +132,16 @@ _ORDER = (
     "raw_write",
     "raw_put",
     "save",
+    "save_fully_parallel",
     "raw_read",
     "raw_get",
     "load",
+    "load_fully_parallel",
     "torch_save",
     "torch_load",
     "async_blocking",
+    "async_blocking_first",
+    "async_blocking_later",
     "async_total",
 )
 
@@ -146,6 +168,13 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
         count = summary["requests"].get(phase)
         counted = f"{count:10d}" if count is not None and summary["requests_counted"] else ""
         lines.append(f"{phase:<26}{secs:10.3f}{shown}{counted}")
+    reads = summary.get("reads", {})
+    loads = [p for p in sorted(reads, key=_phase_order) if p.startswith("load")]
+    if loads:
+        lines.append(
+            "objects read / MB read, all ranks: "
+            + "; ".join(f"{p} {reads[p]} / {summary['bytes_read'][p] / MB:.1f}" for p in loads)
+        )
     lines.append("ratios (throughput, cloudckpt / raw; async: blocking time / copy time):")
     lines += [f"  {name:<30}{value:6.2f}" for name, value in summary["ratios"].items()]
     rss = summary["peak_rss_bytes"]
@@ -166,7 +195,10 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
             + " ".join(f"{b / MiB:.0f}" for b in bound)
         )
     if summary["objects"]:
-        lines.append(f"objects in the checkpoint: {summary['objects'].get('save')}")
+        lines.append(
+            "objects in the checkpoint: "
+            + "; ".join(f"{phase} {count}" for phase, count in sorted(summary["objects"].items()))
+        )
     if not summary["crt_available"] and summary["requests_counted"]:
         lines.append("awscrt not importable: the CRT transfer client not measured")
     for name, per_rank in summary["raw_errors"].items():

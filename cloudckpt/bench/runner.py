@@ -8,7 +8,18 @@ run and committed). Each phase starts and ends with a barrier; its time is the s
 rank's. Around cloudckpt's phases each rank records its peak resident memory (Linux:
 ``VmHWM`` reset through ``/proc/self/clear_refs``; else ``ru_maxrss``, the peak so far)
 and the storage requests it issued (cloudckpt's own counters: S3 data requests; local
-files are not counted).
+files are not counted), and for loads the reads and bytes read (on every store).
+
+With ``fully_parallel``, each round also saves with Megatron-Core's
+``FullyParallelSaveStrategyWrapper`` and loads with ``FullyParallelLoadStrategyWrapper``
+over the workload's data-parallel group, right after the plain save and load of the same
+round (plain, fully parallel, plain, ...): phases ``save_fully_parallel`` and
+``load_fully_parallel``. With ``constant_structure`` (torch_dist), each round makes two
+more async saves through one save strategy kept for the whole run, with
+``cached_metadata=True`` (Megatron-Core's ``ckpt_assume_constant_structure``): the
+run's first such save plans and validates (``async_blocking_first``); the later ones
+reuse the plan and skip the validation of the sharding, as Megatron-LM does
+(``async_blocking_later``).
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,10 +49,18 @@ from cloudckpt.bench.workload import (
     rank_share,
 )
 from cloudckpt.config import CheckpointConfig
+from cloudckpt.dict_utils import nested_values
 from cloudckpt.launch import run_on_ranks
 from cloudckpt.mapping import ShardedTensor, StateDict
+from cloudckpt.serialization import get_default_save_sharded_strategy
 from cloudckpt.storage import open_checkpoint
 from cloudckpt.storage.pool import process_stats
+from cloudckpt.strategies.base import LoadShardedStrategy, StrategyAction, get_default_strategy
+from cloudckpt.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from cloudckpt.strategies.torch import TorchDistSaveShardedStrategy
 from cloudckpt.tracker import remove_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -61,6 +80,10 @@ class BenchOptions:
         storage_options: fsspec options for the URI (endpoint, credentials).
         repeat: rounds of every phase; each figure is the best round's.
         timeout_s: the longest the ranks may take, all phases together.
+        fully_parallel: also save and load with the fully parallel wrappers over the
+            data-parallel group, interleaved with the plain save and load.
+        constant_structure: also make repeated async saves through one torch_dist
+            strategy with ``cached_metadata=True`` (first and later saves timed apart).
     """
 
     uri: str
@@ -70,6 +93,8 @@ class BenchOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     repeat: int = 1
     timeout_s: float = 3600.0
+    fully_parallel: bool = False
+    constant_structure: bool = False
 
     @property
     def is_s3(self) -> bool:
@@ -86,6 +111,8 @@ class RankFigures:
     peak_rss: dict[str, int] = field(default_factory=dict)
     rss_growth: dict[str, int] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
+    reads: dict[str, int] = field(default_factory=dict)
+    bytes_read: dict[str, int] = field(default_factory=dict)
     objects: dict[str, int] = field(default_factory=dict)
     state_bytes: int = 0
     share_bytes: int = 0
@@ -152,25 +179,51 @@ def _measured(figures: RankFigures, phase: str, fn: Callable[[], object]) -> Non
     """Time a cloudckpt phase, with its peak RSS and requests."""
     figures.rss_reset = reset_peak_rss()
     start = current_rss()
-    before = process_stats().requests
+    before = process_stats()
     figures.record(phase, _timed(fn))
     figures.peak_rss[phase] = max(peak_rss(), figures.peak_rss.get(phase, 0))
     growth = peak_rss() - start
     figures.rss_growth[phase] = max(growth, figures.rss_growth.get(phase, 0))
-    figures.requests[phase] = process_stats().requests - before
+    counted = process_stats() - before
+    figures.requests[phase] = counted.requests
+    figures.reads[phase] = counted.reads
+    figures.bytes_read[phase] = counted.bytes_read
 
 
 def _config(options: BenchOptions) -> CheckpointConfig:
     return CheckpointConfig(backend=options.backend)
 
 
-def _save(state: StateDict, uri: str, options: BenchOptions) -> None:
-    cloudckpt.save(state, uri, storage_options=options.storage_options, config=_config(options))
+def _save(
+    state: StateDict,
+    uri: str,
+    options: BenchOptions,
+    strategy: Any = None,
+    validate: bool = True,
+) -> None:
+    cloudckpt.save(
+        state,
+        uri,
+        sharded_strategy=strategy,
+        validate_access_integrity=validate,
+        storage_options=options.storage_options,
+        config=_config(options),
+    )
 
 
-def _load(state: StateDict, uri: str, options: BenchOptions, into: list[StateDict]) -> None:
+def _load(
+    state: StateDict,
+    uri: str,
+    options: BenchOptions,
+    into: list[StateDict],
+    strategy: LoadShardedStrategy | None = None,
+) -> None:
     loaded = cloudckpt.load(
-        state, uri, storage_options=options.storage_options, config=_config(options)
+        state,
+        uri,
+        strategy,
+        storage_options=options.storage_options,
+        config=_config(options),
     )
     assert isinstance(loaded, dict)
     into.append(loaded)
@@ -181,22 +234,31 @@ def _copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().to("cpu", copy=True) for t in tensors]
 
 
-def _async_save(figures: RankFigures, state: StateDict, uri: str, options: BenchOptions) -> None:
-    """The async save: blocking time (until ``save`` returns), then the whole of it."""
+def _async_save(
+    state: StateDict,
+    uri: str,
+    options: BenchOptions,
+    strategy: Any = None,
+    validate: bool = True,
+) -> tuple[float, float]:
+    """An async save: its blocking time (until ``save`` returns on this rank), then the
+    whole of it (until the request ran and committed on every rank)."""
     _barrier()
     start = time.perf_counter()
     request = cloudckpt.save(
         state,
         uri,
+        sharded_strategy=strategy,
+        validate_access_integrity=validate,
         async_sharded_save=True,
         storage_options=options.storage_options,
         config=_config(options),
     )
-    figures.record("async_blocking", time.perf_counter() - start)
+    blocking = time.perf_counter() - start
     assert request is not None
     request.execute_sync()
     _barrier()
-    figures.record("async_total", time.perf_counter() - start)
+    return blocking, time.perf_counter() - start
 
 
 def _count_objects(uri: str, options: BenchOptions) -> int:
@@ -212,13 +274,94 @@ def _remove(uri: str, options: BenchOptions, rank: int) -> None:
 
 
 def _check_loaded(loaded: StateDict, saved: StateDict) -> None:
-    """The first tensor loaded equals the one saved (the load really happened)."""
-    model = saved["model"]
-    assert isinstance(model, dict)
-    key = next(iter(model))
-    got, want = loaded["model"][key], local_tensors(saved)[0]
-    if not isinstance(got, torch.Tensor) or not torch.equal(got, want):
-        raise AssertionError("cloudckpt bench: the tensor loaded differs from the one saved")
+    """Every tensor loaded equals the one saved (the load really happened, and a fully
+    parallel load received what the other ranks read)."""
+    for group in ("model", "optimizer"):
+        section = saved[group]
+        assert isinstance(section, dict)
+        for key, item in section.items():
+            got = loaded[group][key]
+            if not isinstance(got, torch.Tensor) or not torch.equal(got, _data(item)):
+                raise AssertionError(
+                    f"cloudckpt bench: tensor {key!r} loaded differs from the one saved"
+                )
+
+
+def _data(item: Any) -> torch.Tensor:
+    assert isinstance(item, ShardedTensor) and item.data is not None
+    return item.data
+
+
+@dataclass(frozen=True)
+class _Strategies:
+    """The save and load strategies of a round's second save and load (None: defaults).
+
+    Attributes:
+        suffix: the phases' suffix (``""`` for plain, ``"_fully_parallel"``).
+    """
+
+    suffix: str
+    save: Any = None
+    load: LoadShardedStrategy | None = None
+
+
+def _dp_group(spec: WorkloadSpec, rank: int) -> Any:
+    """This rank's data-parallel group (every rank creates every group, in order)."""
+    groups = [
+        torch.distributed.new_group([r for r in range(spec.world_size) if r % spec.tp == t])
+        for t in range(spec.tp)
+    ]
+    return groups[rank % spec.tp]
+
+
+def fully_parallel_strategies(spec: WorkloadSpec, rank: int, backend: str) -> _Strategies:
+    """The backend's default strategies wrapped to spread over the data-parallel group.
+    Collective (it creates the groups)."""
+    group = _dp_group(spec, rank)
+    save = get_default_save_sharded_strategy(backend)
+    load = get_default_strategy(StrategyAction.LOAD_SHARDED, backend, 1)
+    return _Strategies(
+        "_fully_parallel",
+        FullyParallelSaveStrategyWrapper(save, group),
+        FullyParallelLoadStrategyWrapper(load, group),
+    )
+
+
+@contextlib.contextmanager
+def _replicas_kept(state: StateDict) -> Iterator[None]:
+    """Restore every ShardedTensor's ``replica_id`` after the block (the fully parallel
+    save rewrites them in place; the next plain save must see the workload's own)."""
+    shards = [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
+    kept = [sh.replica_id for sh in shards]
+    try:
+        yield
+    finally:
+        for sh, replica_id in zip(shards, kept, strict=True):
+            sh.replica_id = replica_id
+
+
+def _save_and_load(
+    figures: RankFigures,
+    spec: WorkloadSpec,
+    state: StateDict,
+    rank: int,
+    ckpt: str,
+    options: BenchOptions,
+    strategies: _Strategies,
+) -> None:
+    """A save, then a load of it checked against the state; the checkpoint removed."""
+    save_phase, load_phase = f"save{strategies.suffix}", f"load{strategies.suffix}"
+    with _replicas_kept(state):
+        _measured(figures, save_phase, lambda: _save(state, ckpt, options, strategies.save))
+    if rank == 0:
+        figures.objects[save_phase] = _count_objects(ckpt, options)
+    loaded: list[StateDict] = []
+    target = build_state(spec, rank, empty=True)
+    _measured(figures, load_phase, lambda: _load(target, ckpt, options, loaded, strategies.load))
+    _check_loaded(loaded[0], state)
+    target.clear()  # the loaded copy is not kept through the next phase
+    loaded.clear()
+    _remove(ckpt, options, rank)
 
 
 def _cloudckpt_round(
@@ -228,27 +371,53 @@ def _cloudckpt_round(
     rank: int,
     run: str,
     options: BenchOptions,
+    extra: RankExtras,
 ) -> None:
     ckpt = f"{run}/ckpt-{uuid.uuid4().hex[:6]}" if rank == 0 else ""
     ckpt = _broadcast(ckpt)
-    _measured(figures, "save", lambda: _save(state, ckpt, options))
-    if rank == 0:
-        figures.objects["save"] = _count_objects(ckpt, options)
-    loaded: list[StateDict] = []
-    target = build_state(spec, rank, empty=True)
-    _measured(figures, "load", lambda: _load(target, ckpt, options, loaded))
-    _check_loaded(loaded[0], state)
-    target.clear()  # the loaded copy is not kept through the async save
-    loaded.clear()
-    _remove(ckpt, options, rank)
+    _save_and_load(figures, spec, state, rank, ckpt, options, _Strategies(""))
+    if extra.parallel is not None:
+        _save_and_load(figures, spec, state, rank, f"{ckpt}-fp", options, extra.parallel)
     async_ckpt = f"{ckpt}-async"
     figures.record("copy_to_host", _timed(lambda: _copy_to_host(local_tensors(state))))
     figures.rss_reset = reset_peak_rss()
     before = process_stats().requests
-    _async_save(figures, state, async_ckpt, options)
+    blocking, total = _async_save(state, async_ckpt, options)
+    figures.record("async_blocking", blocking)
+    figures.record("async_total", total)
     figures.requests["async_total"] = process_stats().requests - before
     figures.peak_rss["async_save"] = max(peak_rss(), figures.peak_rss.get("async_save", 0))
     _remove(async_ckpt, options, rank)
+    if extra.constant is not None:
+        for number in range(2):
+            _constant_structure_save(figures, state, f"{async_ckpt}-cs{number}", options, extra)
+
+
+def _constant_structure_save(
+    figures: RankFigures, state: StateDict, uri: str, options: BenchOptions, extra: RankExtras
+) -> None:
+    """An async save through the run's one cached-plan strategy: the run's first
+    validates and plans; the later ones skip the validation, as Megatron-LM does."""
+    first = extra.constant_saves == 0
+    blocking, _ = _async_save(state, uri, options, extra.constant, validate=first)
+    extra.constant_saves += 1
+    figures.record("async_blocking_first" if first else "async_blocking_later", blocking)
+    _remove(uri, options, rank=torch.distributed.get_rank())
+
+
+@dataclass
+class RankExtras:
+    """What a rank keeps across rounds for the optional phases.
+
+    Attributes:
+        parallel: the fully parallel strategies (None: not measured).
+        constant: the one cached-plan save strategy (None: not measured).
+        constant_saves: async saves it made so far.
+    """
+
+    parallel: _Strategies | None = None
+    constant: TorchDistSaveShardedStrategy | None = None
+    constant_saves: int = 0
 
 
 def _warm_up(rank: int, run: str, options: BenchOptions) -> None:
@@ -412,12 +581,17 @@ def _bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> 
     share = rank_share(state, spec, rank)
     figures.share_bytes = sum(t.numel() * t.element_size() for t in share.values())
     _warm_up(rank, run, options)
+    extra = RankExtras()
+    if options.fully_parallel:
+        extra.parallel = fully_parallel_strategies(spec, rank, options.backend)
+    if options.constant_structure:
+        extra.constant = TorchDistSaveShardedStrategy(cached_metadata=True)
     for _ in range(options.repeat):
         if options.is_s3:
             _raw_s3_round(figures, share, rank, run, options)
         else:
             _raw_local_round(figures, share, rank, run)
-        _cloudckpt_round(figures, spec, state, rank, run, options)
+        _cloudckpt_round(figures, spec, state, rank, run, options, extra)
     figures.peak_rss["run"] = max(_run_peak(), *figures.peak_rss.values())
     return asdict(figures)
 

@@ -134,8 +134,9 @@ def build_state(
         local = _local_shape(param, spec.tp)
         tp_split = param.tp_axis is not None
         data = torch.empty(local, dtype=torch.bfloat16)
-        if not empty:
-            data = _filled(local, torch.bfloat16, index * spec.world_size + tp_rank)
+        if not empty:  # replicas hold the same values: a TP-replicated vector too
+            seed = index * spec.world_size + (tp_rank if tp_split else 0)
+            data = _filled(local, torch.bfloat16, seed)
         offsets = [(param.tp_axis, tp_rank, spec.tp)] if param.tp_axis is not None else []
         replica = (0 if tp_split else tp_rank, dp_rank)
         model[param.key] = tensor_cls.from_rank_offsets(
@@ -181,7 +182,8 @@ def _optimizer_states(
         key = f"optimizer.state.{name}.{param.key}"
         data = torch.empty(shape, dtype=torch.float32)
         if not empty:
-            data = _filled(shape, torch.float32, (index * 3 + number) * spec.world_size + rank)
+            source = rank if tp_split else dp_rank * spec.tp  # TP replicas: same values
+            data = _filled(shape, torch.float32, (index * 3 + number) * spec.world_size + source)
         states[key] = tensor_cls.from_rank_offsets(key, data, *offsets, replica_id=replica)
     return states
 

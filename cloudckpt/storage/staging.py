@@ -9,6 +9,10 @@ caller's thread; the copy frees the caller to modify its tensors; and
 :meth:`~StagingStorage.upload` (run later, e.g. in a background thread) writes exactly
 the staged bytes, so the write results recorded for the manifest stay true.
 
+A torch_dist async save stages its tensors otherwise: as host copies that the request
+serializes in the background (``TorchDistSaveShardedStrategy.stage_to``); what comes
+here then is the common state (and the objects of strategies without ``stage_to``).
+
 Only buffers the caller may change are copied: ``bytes`` are immutable, and a writer
 that serialized its objects into buffers of its own (the torch_dist writer's
 ``torch.save`` output) hands them over with ``write_many(..., owned=True)``. Staging

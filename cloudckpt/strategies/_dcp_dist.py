@@ -8,10 +8,21 @@ steps and their error handling (a failure on any rank is raised on every rank) b
 routes each collective through :mod:`cloudckpt.dist`, whose waits are bounded and
 name the lost rank (:mod:`cloudckpt.dist_guard`). :func:`save_state_dict` runs DCP's
 plan / write / finish steps with it.
+
+A :class:`SavePlanCache` (a strategy's ``cached_metadata=True``, Megatron-Core's
+``ckpt_assume_constant_structure``) keeps the plans of one save for the next: while
+every rank's local plan is the one it had, the plans are not gathered, planned and
+scattered again; one integer all-reduce checks that on every save, and a change on any
+rank plans afresh. Unlike Megatron-Core's cache, a changed structure is never written
+with a stale plan.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -22,6 +33,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from cloudckpt import dist
 
 _T = TypeVar("_T")
+logger = logging.getLogger(__name__)
 
 
 class GuardedDistWrapper(_DistWrapper):
@@ -61,29 +73,137 @@ class GuardedDistWrapper(_DistWrapper):
         dist.barrier(self.group, self._what("barrier"))
 
 
-def save_state_dict(
-    state_dict: dict[str, Any],
+@dataclass
+class _CachedPlans:
+    """One save's plans: this rank's local and central plan, and on the coordinator
+    the global metadata and the writer's merged extra metadata (``mcore_data``)."""
+
+    where: tuple[int, int]  # (rank, world size) of the group
+    local: SavePlan
+    central: SavePlan
+    metadata: Metadata | None
+    extra: dict[str, Any] | None
+
+
+class SavePlanCache:
+    """The plans of the last save through one strategy, reused while no rank's local
+    plan changes (see the module docstring). Not thread-safe: one save at a time."""
+
+    def __init__(self) -> None:
+        self._plans: _CachedPlans | None = None
+        self.reused = 0  # saves that reused the plans (for tests and logs)
+
+    @property
+    def holds_plans(self) -> bool:
+        """Whether a save's plans are kept (the next save checks them)."""
+        return self._plans is not None
+
+    def lookup(self, local: SavePlan | None, wrapper: GuardedDistWrapper) -> _CachedPlans | None:
+        """The cached plans when ``local`` (None: this rank failed to plan) is the cached
+        local plan on every rank of the wrapper's group. Collective once anything is
+        cached (one integer all-reduce)."""
+        plans = self._plans
+        if plans is None:
+            return None
+        where = (wrapper.get_rank(), wrapper.get_world_size())
+        changed = int(local is None or plans.where != where or plans.local != local)
+        if wrapper.use_dist:
+            group_what = wrapper._what("plan cache check")
+            changed = dist.all_reduce_int(changed, "max", wrapper.group, group_what)
+        if changed:
+            self._plans = None
+            return None
+        self.reused += 1
+        return plans
+
+    def store(
+        self,
+        wrapper: GuardedDistWrapper,
+        local: SavePlan,
+        central: SavePlan,
+        metadata: Metadata | None,
+        extra: dict[str, Any] | None,
+    ) -> None:
+        """Keep one save's plans for the next."""
+        where = (wrapper.get_rank(), wrapper.get_world_size())
+        self._plans = _CachedPlans(where, local, central, metadata, extra)
+
+
+@dataclass
+class PlannedSave:
+    """A DCP save planned on every rank (:func:`plan_save`): :meth:`write` serializes
+    and uploads this rank's items (no collective: it may run in a background thread);
+    :meth:`finish` then gathers every rank's item results and lets the coordinator
+    write ``.metadata`` (collective)."""
+
+    wrapper: GuardedDistWrapper
+    writer: StorageWriter
+    planner: SavePlanner
+    plan: SavePlan
+    metadata: Metadata | None
+
+    def write(self) -> list[Any]:
+        """Serialize and upload this rank's items; their DCP write results."""
+        pending = self.writer.write_data(self.plan, self.planner)
+        pending.wait()
+        results: list[Any] = pending.value()
+        return results
+
+    def finish(self, write: Callable[[], list[Any]] | None = None) -> Metadata:
+        """Run ``write`` (default :meth:`write`; a function returning the results of an
+        earlier write, or raising its error) on every rank, gather the results and let
+        the coordinator write ``.metadata``. Collective.
+
+        Raises:
+            CheckpointException: (PyTorch's) some rank's write, or the coordinator's
+                ``.metadata``, failed; raised on every rank.
+        """
+
+        def finish_on_coordinator(results: list[Any]) -> Metadata:
+            assert self.metadata is not None, "the coordinator planned no metadata"
+            with dist.paused_gc():  # every rank's item results, merged at once
+                self.writer.finish(metadata=self.metadata, results=results)
+            return self.metadata
+
+        metadata: Metadata = self.wrapper.all_reduce(
+            "write", write or self.write, finish_on_coordinator
+        )
+        return metadata
+
+
+def plan_save(
+    make_state: Callable[[], dict[str, Any]],
     writer: StorageWriter,
     planner: SavePlanner,
     group: Any = None,
     coordinator_rank: int = 0,
-) -> Metadata:
-    """DCP's save steps (plan, write, finish) with :class:`GuardedDistWrapper`.
+    plan_cache: SavePlanCache | None = None,
+) -> PlannedSave:
+    """DCP's planning step with :class:`GuardedDistWrapper` (collective); with
+    ``plan_cache``, the plans of the previous save when no rank's plan changed.
+
+    ``make_state`` builds this rank's DCP state dict; it is called once, inside the
+    planning, so that its failure on one rank is raised on every rank.
 
     Raises:
-        CheckpointException: (PyTorch's, a BaseException) a step failed on some rank;
+        CheckpointException: (PyTorch's, a BaseException) planning failed on some rank;
             raised on every rank.
         CollectiveError: a rank was lost or silent in a collective.
     """
     wrapper = GuardedDistWrapper(group, coordinator_rank, "torch_dist save")
     global_metadata: Metadata | None = None
+    local_plans: list[SavePlan] = []
+    states: list[dict[str, Any]] = []
 
     def local_step() -> SavePlan:
+        if not states:
+            states.append(make_state())
         planner.set_up_planner(
-            state_dict, storage_meta=writer.storage_meta(), is_coordinator=wrapper.is_coordinator
+            states[0], storage_meta=writer.storage_meta(), is_coordinator=wrapper.is_coordinator
         )
         writer.set_up_storage_writer(wrapper.is_coordinator)
-        return writer.prepare_local_plan(planner.create_local_plan())
+        local_plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+        return local_plans[-1]
 
     def global_step(plans: list[SavePlan]) -> list[SavePlan]:
         nonlocal global_metadata
@@ -91,20 +211,60 @@ def save_state_dict(
             plans, global_metadata = planner.create_global_plan(plans)
             return writer.prepare_global_plan(plans)
 
-    central = wrapper.reduce_scatter("plan", local_step, global_step)
+    cached = _reusable_plans(plan_cache, local_step, wrapper)
+    if cached is not None:
+        central = cached.central
+        global_metadata = copy.copy(cached.metadata)  # the writer's finish sets its fields
+        if cached.extra is not None:
+            writer.mcore_data = dict(cached.extra)  # type: ignore[attr-defined]
+    else:
+        central = wrapper.reduce_scatter("plan", local_step, global_step)
+        if plan_cache is not None:
+            extra = getattr(writer, "mcore_data", None) if wrapper.is_coordinator else None
+            plan_cache.store(
+                wrapper,
+                local_plans[-1],
+                central,
+                copy.copy(global_metadata),
+                dict(extra) if extra is not None else None,
+            )
+    return PlannedSave(wrapper, writer, planner, planner.finish_plan(central), global_metadata)
 
-    def write() -> Any:
-        pending = writer.write_data(planner.finish_plan(central), planner)
-        pending.wait()
-        return pending.value()
 
-    def finish(results: list[Any]) -> Metadata:
-        assert global_metadata is not None, "the coordinator planned no metadata"
-        with dist.paused_gc():  # every rank's item results, merged at once
-            writer.finish(metadata=global_metadata, results=results)
-        return global_metadata
+def save_state_dict(
+    state_dict: dict[str, Any],
+    writer: StorageWriter,
+    planner: SavePlanner,
+    group: Any = None,
+    coordinator_rank: int = 0,
+    plan_cache: SavePlanCache | None = None,
+) -> Metadata:
+    """DCP's save steps (plan, write, finish) with :class:`GuardedDistWrapper`; with
+    ``plan_cache``, the plans of the previous save when no rank's plan changed.
 
-    return wrapper.all_reduce("write", write, finish)
+    Raises:
+        CheckpointException: (PyTorch's, a BaseException) a step failed on some rank;
+            raised on every rank.
+        CollectiveError: a rank was lost or silent in a collective.
+    """
+    planned = plan_save(lambda: state_dict, writer, planner, group, coordinator_rank, plan_cache)
+    return planned.finish()
 
 
-__all__ = ["GuardedDistWrapper", "save_state_dict"]
+def _reusable_plans(
+    cache: SavePlanCache | None, local_step: Any, wrapper: GuardedDistWrapper
+) -> _CachedPlans | None:
+    """The cached plans, when ``cache`` holds plans that every rank's new local plan
+    matches (collective then). This rank's local planning failing counts as a change:
+    the save then plans afresh, where DCP raises the failure on every rank."""
+    if cache is None or not cache.holds_plans:
+        return None
+    local: SavePlan | None = None
+    try:
+        local = local_step()
+    except Exception:  # noqa: BLE001 - raised again, on every rank, by the fresh planning
+        logger.debug("rank %d: local planning failed; planning afresh", wrapper.get_rank())
+    return cache.lookup(local, wrapper)
+
+
+__all__ = ["GuardedDistWrapper", "PlannedSave", "SavePlanCache", "plan_save", "save_state_dict"]

@@ -59,6 +59,35 @@ class ShardedSaver(Protocol):
         ...
 
 
+class StagedSave(Protocol):
+    """A sharded save whose data sits in host memory (see :class:`StagingSaver`)."""
+
+    def upload(self) -> None:
+        """Serialize and upload this rank's part (no collective: a background thread)."""
+        ...
+
+    def finish(self) -> list[WriteResult]:
+        """After every rank's upload succeeded: the last writes (collective); this
+        rank's write results, uploads included."""
+        ...
+
+
+@runtime_checkable
+class StagingSaver(Protocol):
+    """A sharded saver whose async save copies the state to host memory and plans in
+    the caller's thread, and leaves serializing and uploading to the background (the
+    training loop then blocks only for the copy and the planning)."""
+
+    def stage_to(
+        self,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None = None,
+    ) -> StagedSave:
+        """Copy this rank's main replicas to host memory and plan (collective)."""
+        ...
+
+
 @runtime_checkable
 class CommonSaver(Protocol):
     """Writes the common state (coordinator) and sharded objects (every rank)."""

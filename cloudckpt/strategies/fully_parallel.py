@@ -62,13 +62,20 @@ from cloudckpt.mapping import (
     StateDict,
     is_main_replica,
 )
+from cloudckpt.storage.staging import StagingStorage
 from cloudckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
     SaveShardedStrategy,
     checkpoint_uri,
 )
-from cloudckpt.strategies.bound import bind_sharded_loader, bind_sharded_saver
+from cloudckpt.strategies.bound import (
+    ShardedSaver,
+    StagedSave,
+    StagingSaver,
+    bind_sharded_loader,
+    bind_sharded_saver,
+)
 from cloudckpt.utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId
 from cloudckpt.validation import validate_sharding_integrity
 
@@ -286,6 +293,21 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
         saver = bind_sharded_saver(self.base_strategy, storage.uri)
         return saver.save_to(storage, sharded_state_dict, config)
 
+    def stage_to(
+        self,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None = None,
+    ) -> StagedSave:
+        """Distribute, then stage with the wrapped strategy (the blocking half of an
+        async save: see :class:`~cloudckpt.strategies.bound.StagingSaver`); a wrapped
+        strategy without ``stage_to`` writes into host memory now."""
+        self.apply_saving_parallelization(sharded_state_dict)
+        saver = bind_sharded_saver(self.base_strategy, storage.uri)
+        if isinstance(saver, StagingSaver):
+            return saver.stage_to(storage, sharded_state_dict, config)
+        return _StagedWrites.of(saver, storage, sharded_state_dict, config)
+
     def tensor_entries(
         self, tensors: list[ShardedTensor], config: CheckpointConfig | None = None
     ) -> list[TensorEntry]:
@@ -313,6 +335,35 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
             )
         self.apply_saving_parallelization(sharded_state_dict)
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_uri(checkpoint_dir))
+
+
+class _StagedWrites:
+    """A strategy's writes kept in host memory (:class:`~cloudckpt.storage.staging.
+    StagingStorage`) until :meth:`upload`."""
+
+    def __init__(self, staging: StagingStorage, results: list[WriteResult]) -> None:
+        self._staging = staging
+        self._results = results
+
+    @classmethod
+    def of(
+        cls,
+        saver: ShardedSaver,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None,
+    ) -> _StagedWrites:
+        """Run ``saver`` now into a staging view of ``storage``."""
+        staging = StagingStorage.over(storage)
+        return cls(staging, saver.save_to(staging, sharded_state_dict, config))
+
+    def upload(self) -> None:
+        """Write the staged objects."""
+        self._staging.upload()
+
+    def finish(self) -> list[WriteResult]:
+        """The staged writes' results (nothing left to write)."""
+        return self._results
 
 
 def _validate_distributed(sharded_state_dict: ShardedStateDict) -> None:

@@ -29,6 +29,7 @@ lifts both restrictions, for checkpoints you trust.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import pickle
@@ -55,7 +56,7 @@ from cloudckpt.mapping import (
     is_main_replica,
 )
 from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult
-from cloudckpt.strategies._dcp_dist import save_state_dict
+from cloudckpt.strategies._dcp_dist import PlannedSave, SavePlanCache, plan_save, save_state_dict
 from cloudckpt.strategies._dcp_errors import TorchDistSaveError, save_failure
 from cloudckpt.strategies._dcp_plan import LinearGlobalPlanMixin
 from cloudckpt.strategies._dcp_reader import (
@@ -187,13 +188,16 @@ def quiet_dcp_debug() -> Iterator[None]:
         _quiet.depth -= 1
 
 
-def dcp_save(state: dict[str, Any], writer: CloudStorageWriter) -> None:
-    """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed)."""
+def dcp_save(
+    state: dict[str, Any], writer: CloudStorageWriter, plan_cache: SavePlanCache | None = None
+) -> None:
+    """``torch.distributed.checkpoint.save`` with ``writer`` (collective when distributed);
+    with ``plan_cache``, the previous save's plans while no rank's plan changed."""
     planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings(), quiet_dcp_debug():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         try:
-            save_state_dict(state, writer, planner)
+            save_state_dict(state, writer, planner, plan_cache=plan_cache)
         except CheckpointException as exc:  # a BaseException: made a CheckpointingException
             raise save_failure(exc, writer.storage.uri) from exc
 
@@ -221,9 +225,10 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         thread_count: Megatron-Core's writer threads per rank. cloudckpt's concurrency
             is the storage pool's ``max_in_flight`` (config) shared by all uploads, and
             the number of objects follows ``object_size``; recorded, not used.
-        cached_metadata: Megatron-Core reuses the DCP plan of the previous save when
-            the structure is unchanged. cloudckpt plans every save (the plan is small
-            next to the uploads); recorded, not used.
+        cached_metadata: reuse the DCP plans of the previous save while the structure
+            is unchanged (Megatron-Core's ``ckpt_assume_constant_structure``): the plans
+            are not gathered and scattered again. One integer all-reduce per save checks
+            every rank's local plan against the cached one; a change plans afresh.
         separation_hint: tensors (and objects) whose key starts with it are written to
             ``.distcp`` objects of their own, as in Megatron-Core.
         fs: an fsspec filesystem to use instead of resolving one from the URI.
@@ -255,6 +260,7 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         self.use_cached_ckpt_structure = cached_metadata
         self.separation_hint = separation_hint
         self._init_plan_cache()
+        self.plan_cache = SavePlanCache()  # used by save_to while use_cached_ckpt_structure
         if object_size < 1:
             raise ValueError(f"object_size must be a positive number of bytes: {object_size}")
         self.object_size = object_size
@@ -313,7 +319,7 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
             separation_hint=self.separation_hint,
         )
         try:
-            dcp_save(state, writer)
+            dcp_save(state, writer, self.plan_cache if self.use_cached_ckpt_structure else None)
         except CheckpointingException:
             raise
         except Exception as exc:
@@ -322,11 +328,108 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
             ) from exc
         return writer.results
 
+    def stage_to(
+        self,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None = None,
+    ) -> StagedDcpSave:
+        """The blocking half of an async save (``save(..., async_sharded_save=True)``):
+        copy this rank's main replicas to host memory and plan (collective; with
+        ``cached_metadata``, the previous save's plans while unchanged). The returned
+        save serializes the copies and uploads them in :meth:`StagedDcpSave.upload`
+        (a background thread) and writes ``.metadata`` in :meth:`StagedDcpSave.finish`.
+        """
+        writer = CloudStorageWriter(
+            storage,
+            self._object_size(config),
+            self._batch_bytes(config),
+            separation_hint=self.separation_hint,
+        )
+
+        def make_state() -> dict[str, Any]:
+            state, extra = to_dcp_state_dict(host_copy(sharded_state_dict))
+            writer.mcore_data = dict(extra)
+            return state
+
+        planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        cache = self.plan_cache if self.use_cached_ckpt_structure else None
+        with warnings.catch_warnings(), quiet_dcp_debug():
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+            try:
+                planned = plan_save(make_state, writer, planner, plan_cache=cache)
+            except CheckpointException as exc:
+                raise save_failure(exc, storage.uri) from exc
+        return StagedDcpSave(planned, writer)
+
     def batch_writer(
         self, storage: CheckpointStorage, config: CheckpointConfig | None = None
     ) -> DcpBatchWriter:
         """A writer of this checkpoint in several DCP saves (see :class:`DcpBatchWriter`)."""
         return DcpBatchWriter(self, storage, config)
+
+
+def host_copy(sharded_state_dict: ShardedStateDict) -> dict[str, Any]:
+    """This rank's main replicas, each ShardedTensor with a host copy of its data (a
+    shallow copy of the ShardedTensor): what an async save serializes later, while the
+    training loop changes its own tensors. ShardedObjects are kept as they are
+    (:func:`to_dcp_state_dict` serializes them at once)."""
+    copies: dict[str, Any] = {}
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
+            if value.data is None:
+                raise CheckpointingException(f"tensor {value.key!r} has no data to save")
+            staged = copy.copy(value)
+            staged.data = value.data.detach().to(
+                "cpu", copy=True, memory_format=torch.contiguous_format
+            )
+            copies[str(len(copies))] = staged
+        elif isinstance(value, ShardedObject) and is_main_replica(value.replica_id):
+            copies[str(len(copies))] = value
+    return copies
+
+
+class StagedDcpSave:
+    """A torch_dist save planned and copied to host memory (see
+    :meth:`TorchDistSaveShardedStrategy.stage_to`)."""
+
+    def __init__(self, planned: PlannedSave, writer: CloudStorageWriter) -> None:
+        self._planned = planned
+        self._writer = writer
+        self._items: list[Any] | None = None
+
+    def upload(self) -> None:
+        """Serialize and upload this rank's items (no collective). The host copies are
+        released once written."""
+        self._items = self._planned.write()
+        self._planned.planner.set_up_planner(
+            {}, is_coordinator=self._planned.wrapper.is_coordinator
+        )
+
+    def finish(self) -> list[WriteResult]:
+        """Gather every rank's item results; the coordinator writes ``.metadata``.
+        Collective; call it after every rank's :meth:`upload` succeeded.
+
+        Returns:
+            This rank's write results (the coordinator's include ``.metadata``).
+
+        Raises:
+            CheckpointingException: a rank's upload did not run, or ``.metadata`` failed;
+                raised on every rank.
+        """
+        uri = self._writer.storage.uri
+
+        def written() -> list[Any]:
+            if self._items is None:
+                raise CheckpointingException(f"the upload of {uri!r} did not run on this rank")
+            return self._items
+
+        with quiet_dcp_debug():
+            try:
+                self._planned.finish(written)
+            except CheckpointException as exc:
+                raise save_failure(exc, uri) from exc
+        return self._writer.results
 
 
 class DcpBatchWriter:
@@ -513,6 +616,7 @@ __all__ = [
     "BACKEND",
     "VERSION",
     "DcpBatchWriter",
+    "StagedDcpSave",
     "MCoreLoadPlanner",
     "MCoreMetadata",
     "MCoreSavePlan",
