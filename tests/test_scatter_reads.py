@@ -5,6 +5,8 @@ run), every block checked across the buffers and scratch it spans.
 * The plan: each run's segments take exactly its bytes, in order, the caller's views
   where a buffer wants them and scratch elsewhere; bytes two buffers want are received
   once and copied; runs are cut at the part size on block boundaries.
+* torch_dist objects put items under one block first: loading only the small tensors
+  of an object costs one GET.
 * On moto and SeaweedFS: many buffers of one object (partial blocks at both ends, a
   buffer across a run cut, overlapping buffers, an empty one) read right with one GET
   per run; a byte flipped in the store fails the read, naming the block.
@@ -18,11 +20,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
+import cloudckpt
+from cloudckpt import ShardedTensor
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import CorruptObjectError
 from cloudckpt.storage import CheckpointStorage, ReadRequest
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_mismatches, checksum_blocks
+from cloudckpt.storage.pool import process_stats
 from cloudckpt.storage.scatter import gather, plan_scatter
 from tests.fixtures_object_stores import S3_CASES, bucket_location
 
@@ -135,3 +141,40 @@ def test_many_buffers_of_one_object_in_one_get_per_run(s3_uri: tuple[str, dict])
         message = str(info.value)
         assert f"bytes {5 * MiB}-{6 * MiB} (block 5 of 8" in message, message
         assert "rank 0" in message
+
+
+def test_small_items_share_blocks_and_load_in_one_get(s3_uri: tuple[str, dict]) -> None:
+    """Items under one block go first in their object: a load of only the small
+    tensors (what a TP rank reads of another's replicated layer norms) fetches the
+    block or two they share in one GET, not one block per item between the big ones."""
+    uri, options = s3_uri
+    gen = torch.Generator().manual_seed(14)
+    state: dict[str, Any] = {}
+    for layer in range(6):  # a 2 MB weight, then a 2 KB vector, in plan order
+        for name, shape in (("w", (500, 1000)), ("ln", (500,))):
+            key = f"{layer}.{name}"
+            state[key] = ShardedTensor.from_rank_offsets(key, torch.randn(shape, generator=gen))
+    cloudckpt.save(state, uri, sharded_strategy=("torch_dist", 1), storage_options=options)
+    small = {k: v for k, v in state.items() if k.endswith("ln")}
+    request = {
+        k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data)) for k, v in small.items()
+    }
+    before = process_stats()
+    loaded = cloudckpt.load(request, uri, storage_options=options, validate_access_integrity=False)
+    stats = process_stats() - before
+    for key, sh in small.items():
+        assert torch.equal(loaded[key], sh.data)
+    whole = process_stats()
+    cloudckpt.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data)) for k, v in state.items()},
+        uri,
+        storage_options=options,
+        validate_access_integrity=False,
+    )
+    metadata_reads = (process_stats() - whole).reads - 1  # the whole object: one GET
+    assert stats.reads == metadata_reads + 1, (stats, metadata_reads)
+    assert stats.bytes_read < whole_bytes(state) / 4, stats
+
+
+def whole_bytes(state: dict[str, Any]) -> int:
+    return sum(sh.data.numel() * sh.data.element_size() for sh in state.values())
