@@ -45,7 +45,7 @@ class Transport:
     multipart = False  # objects above part_size go up in concurrent parts (S3)
     # Reads into caller buffers cost no request of their own (local files): a buffer's
     # whole blocks are read straight into it. Elsewhere the ranges of many buffers are
-    # fetched in merged runs of up to a part (fewer, larger GETs) and copied out.
+    # fetched in merged runs of up to a part, streamed straight into them (.scatter).
     reads_in_place = False
 
     def __init__(
