@@ -205,17 +205,28 @@ def inner(start: int, end: int, size: int, block_size: int) -> tuple[int, int]:
     return first, last
 
 
-def bad_blocks(data: Buffer, offset: int, blocks: BlockCrcs) -> list[int]:
-    """Indices of the blocks of ``data`` (which starts at block boundary ``offset``
-    of the object and holds whole blocks) whose CRC-32C is not the recorded one."""
-    view = as_bytes_view(data)
+def block_mismatches(
+    segments: Sequence[Buffer], offset: int, blocks: BlockCrcs
+) -> list[tuple[int, int]]:
+    """``(block index, CRC-32C received)`` of every block of the concatenated
+    ``segments`` (whole blocks from block boundary ``offset``; the last may be the
+    object's short last block) that differs from the recorded one."""
     size = blocks.block_size
-    first = offset // size
-    return [
-        first + i
-        for i, start in enumerate(range(0, view.nbytes, size))
-        if crc32c(view[start : start + size]) != blocks.crc(first + i)
-    ]
+    index, crc, filled = offset // size, 0, 0
+    bad: list[tuple[int, int]] = []
+    for segment in map(as_bytes_view, segments):
+        pos = 0
+        while pos < segment.nbytes:
+            take = min(size - filled, segment.nbytes - pos)
+            crc = crc32c(segment[pos : pos + take], crc)
+            filled, pos = filled + take, pos + take
+            if filled == size:
+                if crc != blocks.crc(index):
+                    bad.append((index, crc))
+                index, crc, filled = index + 1, 0, 0
+    if filled and crc != blocks.crc(index):
+        bad.append((index, crc))
+    return bad
 
 
 def block_runs(

@@ -7,11 +7,11 @@ checked against the recorded size alone."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cloudckpt.errors import CheckpointNotFoundError, CorruptObjectError, StorageError
-from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, bad_blocks
+from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_mismatches
 from cloudckpt.storage.buffers import Buffer, as_bytes_view, crc32c
 from cloudckpt.storage.retry import current_rank
 from cloudckpt.storage.types import ReadRequest, WriteResult
@@ -70,21 +70,26 @@ class Expected:
     def check_blocks(self, relpath: str, offset: int, data: Buffer) -> None:
         """Raise unless every block of ``data`` (whole blocks of ``relpath`` from block
         boundary ``offset``) has the CRC-32C the manifest recorded for it."""
+        self.check_segments(relpath, offset, [data])
+
+    def check_segments(self, relpath: str, offset: int, segments: Sequence[Buffer]) -> None:
+        """:meth:`check_blocks` of the concatenation of ``segments`` (a block may span
+        several)."""
         blocks = self.blocks_of(relpath)
         if blocks is None:
             return
-        view = as_bytes_view(data)
-        bad = bad_blocks(view, offset, blocks)
+        bad = block_mismatches(segments, offset, blocks)
         if not bad:
             return
         size = blocks.block_size
-        first = bad[0] * size
-        block = view[first - offset : first - offset + size]
+        index, actual = bad[0]
+        first = index * size
+        length = min(size, sum(as_bytes_view(s).nbytes for s in segments) + offset - first)
         raise CorruptObjectError(
-            f"{self.child_uri(relpath)}: bytes {first}-{first + block.nbytes} (block "
-            f"{bad[0]} of {len(blocks)}, {size}-byte blocks) read on rank {current_rank()} "
-            f"have CRC-32C {crc32c(block):#010x}; the manifest recorded "
-            f"{blocks.crc(bad[0]):#010x}; the object is corrupt or was damaged in transit"
+            f"{self.child_uri(relpath)}: bytes {first}-{first + length} (block "
+            f"{index} of {len(blocks)}, {size}-byte blocks) read on rank {current_rank()} "
+            f"have CRC-32C {actual:#010x}; the manifest recorded "
+            f"{blocks.crc(index):#010x}; the object is corrupt or was damaged in transit"
             + (f" ({len(bad)} blocks differ)" if len(bad) > 1 else "")
         )
 

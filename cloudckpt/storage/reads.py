@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import bisect
 import builtins
-from collections.abc import Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
 
 from cloudckpt.errors import CorruptObjectError
 from cloudckpt.storage.blocks import (
@@ -28,6 +30,7 @@ from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view
 from cloudckpt.storage.edge import io_errors, translate
 from cloudckpt.storage.handle import StorageHandle
 from cloudckpt.storage.retry import current_rank
+from cloudckpt.storage.scatter import ScatterRun, plan_scatter
 from cloudckpt.storage.transport import StoreChecksumError
 from cloudckpt.storage.types import ReadRequest, WriteResult
 
@@ -140,28 +143,37 @@ class StorageReads(StorageHandle):
         Objects the manifest lists are checked: a buffer covering the whole object
         against size and CRC-32C, a partial one against the size and the CRC-32C of
         every block it covers (with ``verify_checksums``, against the CRC-32C of the
-        whole object, read in full).
+        whole object, read in full). Where reads cost a request each (object stores),
+        the buffers of one object are filled by GETs of merged runs of their blocks
+        streamed straight into them (:mod:`.scatter`).
         """
         views = [(request, as_bytes_view(buffer)) for request, buffer in items]
         checked = [(r, v) for r, v in views if self.expected.needs_whole_read(r, v.nbytes)]
         direct: builtins.list[tuple[ReadRequest, memoryview]] = []
         edges: builtins.list[tuple[ReadRequest, memoryview]] = []
+        scattered: dict[str, builtins.list[tuple[int, memoryview]]] = {}
         for request, view in views:
             if self.expected.needs_whole_read(request, view.nbytes):
                 continue
             if self.transport.reads_in_place or self.expected.blocks_of(request.path) is None:
                 self._split(request, view, direct, edges)
             else:  # fetched with the others in merged runs of blocks (see Transport)
-                end = request.start + view.nbytes
-                self.expected.check_range(request.path, request.start, end)
-                edges.append((ReadRequest(request.path, request.start, end), view))
+                self.expected.check_range(request.path, request.start, request.start + view.nbytes)
+                scattered.setdefault(request.path, []).append((request.start, view))
         ranges = [
             (request.path, request.start + a, view[a:b])
             for request, view in direct
             for a, b in self.transport.read_ranges(view.nbytes)
         ]
-        progress = Progress("read", self.uri, sum(v.nbytes for _, _, v in ranges), len(items))
-        self.pool.map(lambda r: self._read_range_into(r[0], r[2], r[1], progress), ranges)
+        runs = [run for path, wanted in scattered.items() for run in self._plan(path, wanted)]
+        total = sum(v.nbytes for _, _, v in ranges) + sum(run.nbytes for run in runs)
+        progress = Progress("read", self.uri, total, len(items))
+        tasks: builtins.list[Callable[[], None]] = [
+            functools.partial(self._read_range_into, path, view, start, progress)
+            for path, start, view in ranges
+        ]
+        tasks += [functools.partial(self._read_run, run, progress) for run in runs]
+        self.pool.map(_call, tasks)
         for request, view in direct:
             if self.expected.blocks_of(request.path) is not None:
                 self.expected.check_blocks(request.path, request.start, view)
@@ -174,6 +186,35 @@ class StorageReads(StorageHandle):
             by_object.setdefault(request.path, []).append((request, view))
         self.pool.map(lambda path: self._read_whole_into(by_object[path]), builtins.list(by_object))
         progress.finish()
+
+    def _plan(
+        self, path: str, wanted: Sequence[tuple[int, memoryview]]
+    ) -> builtins.list[ScatterRun]:
+        """The GETs filling ``wanted`` (start, buffer) of one object with block CRCs."""
+        blocks, size = self.expected.blocks_of(path), self.expected.size(path)
+        if blocks is None or size is None:  # callers pass listed objects with blocks
+            raise ValueError(f"{self.child_uri(path)} has no block CRCs to check")
+        return plan_scatter(path, wanted, size, blocks.block_size, self.part_size)
+
+    def _read_run(self, run: ScatterRun, progress: Progress) -> None:
+        """One GET of a run into its segments; its blocks checked, then its copies."""
+        with self._translated(run.path):
+            got = self.transport.fetch_scatter(self.full_path(run.path), run.start, run.segments)
+        self._count_read(got)
+        self.expected.check_length(run.path, run.start, run.nbytes, got)
+        self.expected.check_segments(run.path, run.start, run.segments)
+        run.copy_out()
+        progress.add(got)
+
+    @contextlib.contextmanager
+    def _translated(self, relpath: str) -> Iterator[None]:
+        """Translate a read's errors at the edge, naming ``relpath``."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise self.expected.not_found(relpath) from exc
+        except io_errors() as exc:
+            raise translate(exc, f"failed to read {self.child_uri(relpath)}: {exc}") from exc
 
     def _split(
         self,
@@ -216,12 +257,8 @@ class StorageReads(StorageHandle):
         if out.nbytes == 0:  # no GET: servers refuse empty ranges (416)
             self.read(relpath, start, start)
             return
-        try:
+        with self._translated(relpath):
             got = self.transport.fetch_into(self.full_path(relpath), out, start)
-        except FileNotFoundError as exc:
-            raise self.expected.not_found(relpath) from exc
-        except io_errors() as exc:
-            raise translate(exc, f"failed to read {self.child_uri(relpath)}: {exc}") from exc
         self._count_read(got)
         self.expected.check_length(relpath, start, out.nbytes, got)
         progress.add(got)
@@ -263,6 +300,10 @@ class StorageReads(StorageHandle):
         if block_size is None or size <= block_size:
             return WriteResult(relpath, done, crc)
         return WriteResult(relpath, done, crc, BlockCrcs.of(block_size, crcs))
+
+
+def _call(task: Callable[[], None]) -> None:
+    task()
 
 
 def _bounded(request: ReadRequest, size: int | None) -> ReadRequest:

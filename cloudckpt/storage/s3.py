@@ -12,7 +12,7 @@ import contextvars
 import copy
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
@@ -121,8 +121,15 @@ class S3Transport(Transport):
         return self._read(path, attempt)
 
     def fetch_into(self, path: str, out: memoryview, start: int) -> int:
+        return self.fetch_scatter(path, start, (out,))
+
+    def fetch_scatter(self, path: str, start: int, segments: Sequence[memoryview]) -> int:
+        """One ranged GET streamed into ``segments`` in order (each attempt from the
+        first): no copy of the body besides the one into the segments."""
+        end = start + sum(segment.nbytes for segment in segments)
+
         def attempt(attempt: Attempt) -> int:
-            return int(self._get(path, attempt, start, start + out.nbytes, out))
+            return int(self._get(path, attempt, start, end, segments))
 
         return self._read(path, attempt)
 
@@ -132,7 +139,7 @@ class S3Transport(Transport):
         attempt: Attempt,
         start: int,
         end: int | None,
-        out: memoryview | None,
+        out: Sequence[memoryview] | None,
         check: bool = False,
     ) -> bytes | int:
         bucket, key, version = self.fs.split_path(path)
@@ -346,10 +353,11 @@ def _one_botocore_attempt(
 
 
 async def _get_once(
-    fs: Any, timeout_s: float, out: memoryview | None, **kwargs: Any
+    fs: Any, timeout_s: float, out: Sequence[memoryview] | None, **kwargs: Any
 ) -> bytes | int:
     """One attempt of a GET within ``timeout_s``: the body as bytes, or written into
-    ``out`` (returns the bytes written). A body cut short raises (and is retried)."""
+    the views of ``out`` in order (returns the bytes written). A body cut short raises
+    (and is retried)."""
 
     async def get() -> bytes | int:
         response = await _call_once(fs, timeout_s, "get_object", **kwargs)
@@ -360,10 +368,15 @@ async def _get_once(
                 if "ChecksumMode" in kwargs:
                     check_store_crc32c(response.get("ChecksumCRC32C"), data)
                 return data
-            got = 0
-            while got < out.nbytes and (n := await body.readinto(out[got:])):
-                got += int(n)
-            return got
+            total = 0
+            for view in out:
+                got = 0
+                while got < view.nbytes and (n := await body.readinto(view[got:])):
+                    got += int(n)
+                total += got
+                if got < view.nbytes:
+                    break
+            return total
         finally:
             body.close()
 

@@ -10,6 +10,7 @@ them at its edge, naming the object.
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cloudckpt.retry_policy import RetryPolicy
@@ -44,7 +45,7 @@ class Transport:
     multipart = False  # objects above part_size go up in concurrent parts (S3)
     # Reads into caller buffers cost no request of their own (local files): a buffer's
     # whole blocks are read straight into it. Elsewhere the ranges of many buffers are
-    # fetched in merged runs of up to a part (fewer, larger GETs) and copied out.
+    # fetched in merged runs of up to a part, streamed straight into them (.scatter).
     reads_in_place = False
 
     def __init__(
@@ -87,6 +88,19 @@ class Transport:
             data = self.fs.cat_file(path, start=start, end=start + out.nbytes)
         out[: len(data)] = data
         return len(data)
+
+    def fetch_scatter(self, path: str, start: int, segments: Sequence[memoryview]) -> int:
+        """Fill ``segments``, in order, with the bytes of one range from ``start`` (their
+        total length: one request); returns the bytes received."""
+        end = start + sum(segment.nbytes for segment in segments)
+        with self.pool.slots:
+            data = memoryview(self.fs.cat_file(path, start=start, end=end))
+        done = 0
+        for segment in segments:
+            piece = data[done : done + segment.nbytes]
+            segment[: piece.nbytes] = piece
+            done += piece.nbytes
+        return data.nbytes
 
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
         """How a read of ``nbytes`` into one buffer is cut into concurrent requests."""

@@ -63,6 +63,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
+from cloudckpt.storage.blocks import BLOCK_SIZE
 from cloudckpt.strategies._append_buffer import AppendBuffer
 from cloudckpt.strategies._dcp_ranges import (
     Record,
@@ -81,6 +82,7 @@ DCP_VERSION = "1.0.0"
 DEFAULT_OBJECT_SIZE = 256 * 1024 * 1024
 DEFAULT_BATCH_BYTES = 512 * 1024 * 1024
 ITEM_OVERHEAD = 2048  # torch.save's zip records around a tensor's bytes: 1.55-1.58 KB (torch 2.13)
+SMALL_ITEM_BYTES = BLOCK_SIZE  # items below one CRC block go first in their object
 
 
 def _estimated_size(data: torch.Tensor | io.BytesIO) -> int:
@@ -272,12 +274,20 @@ class CloudStorageWriter(StorageWriter):
         self, prefix: str, items: list[WriteItem], planner: SavePlanner
     ) -> Iterator[tuple[_Object, list[DcpWriteResult]]]:
         """Pack the items into objects of about ``object_size`` bytes, in plan order
-        (the items of the separation hint after the others, in objects of their own)."""
+        (the items of the separation hint after the others, in objects of their own),
+        items under one block first: a load that needs many small items of an object
+        (layer norms, biases) reads the few blocks they share in one ranged GET instead
+        of one block per item."""
         count = 0
         obj: _Object | None = None
         results: list[DcpWriteResult] = []
         hint = self.separation_hint
-        grouped = sorted(items, key=lambda it: bool(hint) and it.index.fqn.startswith(hint or ""))
+
+        def order(item: WriteItem) -> tuple[bool, bool]:
+            separated = bool(hint) and item.index.fqn.startswith(hint or "")
+            return separated, _planned_size(item) >= SMALL_ITEM_BYTES
+
+        grouped = sorted(items, key=order)
         group = False
         remaining = sum(_planned_size(item) for item in grouped)  # sizes the objects
         for item in grouped:
