@@ -35,6 +35,7 @@ from cloudckpt.storage.location import (
 )
 from cloudckpt.storage.pool import PendingWrite, RequestPool, guarded
 from cloudckpt.storage.reads import StorageReads
+from cloudckpt.storage.streams import ObjectStream
 from cloudckpt.storage.transport import transport_for
 from cloudckpt.storage.types import WriteResult
 
@@ -141,6 +142,31 @@ class CheckpointStorage(StorageReads, StorageAdmin):
             if not self._is_our_object(relpath, view.nbytes, checksum):
                 raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
         return WriteResult(relpath, view.nbytes, checksum, blocks)
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether :meth:`open_stream` writes objects straight into the store (local
+        files); elsewhere objects are assembled in memory and written whole."""
+        return self.transport.writes_in_place
+
+    def open_stream(self, relpath: str) -> ObjectStream:
+        """Start writing the object ``relpath`` front to back, straight into the
+        store, replacing any previous one (stores that :attr:`writes_in_place` only):
+        see :mod:`cloudckpt.storage.streams`. The caller ends it with
+        ``finish()`` (returns its :class:`WriteResult`) or ``abort()``.
+
+        Raises:
+            StorageError: the file cannot be created.
+        """
+        path = self.full_path(relpath)
+        uri = self.child_uri(relpath)
+        try:
+            file = self.transport.open_sequential(path)
+        except io_errors() as exc:
+            raise translate(exc, f"failed to write {uri}: {exc}") from exc
+        return ObjectStream(
+            relpath, uri, file, self.pool.slots, lambda: self.transport.remove(path)
+        )
 
     def _is_our_object(self, relpath: str, size: int, checksum: int) -> bool:
         """After a 412: did an earlier attempt of this very request (retried by botocore

@@ -9,8 +9,9 @@ them at its edge, naming the object.
 
 from __future__ import annotations
 
+import os
 import posixpath
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from cloudckpt.retry_policy import RetryPolicy
 from cloudckpt.storage.buffers import plan_parts
@@ -46,6 +47,9 @@ class Transport:
     # whole blocks are read straight into it. Elsewhere the ranges of many buffers are
     # fetched in merged runs of up to a part (fewer, larger GETs) and copied out.
     reads_in_place = False
+    # Objects can be written front to back straight into the store's file
+    # (:meth:`open_sequential`): local files only.
+    writes_in_place = False
 
     def __init__(
         self,
@@ -70,6 +74,15 @@ class Transport:
         """Write a whole object only if none exists (raises ``FileExistsError``)."""
         with self.pool.slots:
             self.fs.pipe_file(path, view, mode="create")
+
+    def open_sequential(self, path: str) -> IO[bytes]:
+        """A new unbuffered file at ``path`` to write an object front to back,
+        replacing any previous one (transports with ``writes_in_place`` only)."""
+        raise NotImplementedError(f"{type(self).__name__} writes whole objects only")
+
+    def remove(self, path: str) -> None:
+        """Remove the object at ``path`` (an unfinished sequential write)."""
+        self.fs.rm_file(path)
 
     def fetch(
         self, path: str, start: int, end: int | None, *, store_checked: bool = False
@@ -125,6 +138,14 @@ class LocalTransport(Transport):
     straight into the caller's buffer."""
 
     reads_in_place = True
+    writes_in_place = True
+
+    def open_sequential(self, path: str) -> IO[bytes]:
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        return open(path, "wb", buffering=0)
+
+    def remove(self, path: str) -> None:
+        os.unlink(path)
 
     def put(self, path: str, view: memoryview, checksum: int) -> None:
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
