@@ -11,7 +11,7 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -35,9 +35,10 @@ from cloudckpt.storage.location import (
 )
 from cloudckpt.storage.pool import PendingWrite, RequestPool, guarded
 from cloudckpt.storage.reads import StorageReads
+from cloudckpt.storage.scatter import Run, check_run, plan_runs
 from cloudckpt.storage.streams import ObjectStream
 from cloudckpt.storage.transport import transport_for
-from cloudckpt.storage.types import WriteResult
+from cloudckpt.storage.types import ReadRequest, WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,36 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         """Whether create-only writes are known to be enforced by this store (see
         :func:`cloudckpt.storage.location.enforces_exclusive_writes`)."""
         return enforces_exclusive_writes(self.location)
+
+    # -- reads in place ----------------------------------------------------------------
+
+    def read_into_many(self, items: Sequence[tuple[ReadRequest, Buffer]]) -> None:
+        """:meth:`StorageReads.read_into_many`; on stores that read in place (local
+        files), the ranges of each object are read in runs of whole blocks straight
+        into their buffers and checked there (:mod:`cloudckpt.storage.scatter`)."""
+        if self.transport.reads_in_place and not self.expected.verify_checksums:
+            views = [(request, as_bytes_view(buffer)) for request, buffer in items]
+            runs = plan_runs(self.expected, views, self.part_size)
+            if runs is not None:
+                for request, view in views:
+                    if not view.nbytes:  # no read, but the object must exist
+                        self.read(request.path, request.start, request.start)
+                self.pool.map(self._read_run, runs)
+                return
+        super().read_into_many(items)
+
+    def _read_run(self, run: Run) -> None:
+        """Fill one run's buffers from its object and check its blocks."""
+        views = [view for _, view in run.segments]
+        try:
+            got = self.transport.read_segments(self.full_path(run.path), run.start, views)
+        except FileNotFoundError as exc:
+            raise self.expected.not_found(run.path) from exc
+        except io_errors() as exc:
+            raise translate(exc, f"failed to read {self.child_uri(run.path)}: {exc}") from exc
+        self._count_read(got)
+        self.expected.check_length(run.path, run.start, run.end - run.start, got)
+        check_run(run, self.expected)
 
     # -- writes ------------------------------------------------------------------------
 

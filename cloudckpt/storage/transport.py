@@ -9,8 +9,11 @@ them at its edge, naming the object.
 
 from __future__ import annotations
 
+import itertools
 import os
 import posixpath
+from collections import deque
+from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING
 
 from cloudckpt.retry_policy import RetryPolicy
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from cloudckpt.storage.pool import PendingWrite
 
 GCS_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable uploads take chunks in multiples of this
+IOV_MAX = 1024  # buffers per preadv call (Linux's UIO_MAXIOV)
 
 
 class StoreChecksumError(ValueError):
@@ -101,6 +105,12 @@ class Transport:
         out[: len(data)] = data
         return len(data)
 
+    def read_segments(self, path: str, start: int, views: Sequence[memoryview]) -> int:
+        """Fill ``views`` in order with the bytes of ``path`` from ``start`` on, in one
+        request (transports that read in place only); returns the bytes received
+        (fewer at the end of the object)."""
+        raise NotImplementedError(f"{type(self).__name__} has no scattered reads")
+
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
         """How a read of ``nbytes`` into one buffer is cut into concurrent requests."""
         return [(0, nbytes)] if nbytes <= self.part_size else plan_parts(nbytes, self.part_size)
@@ -161,8 +171,35 @@ class LocalTransport(Transport):
             f.seek(start)
             return int(f.readinto(out))
 
+    def read_segments(self, path: str, start: int, views: Sequence[memoryview]) -> int:
+        with self.pool.slots:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return _preadv_all(fd, start, views)
+            finally:
+                os.close(fd)
+
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
         return [(0, nbytes)]
+
+
+def _preadv_all(fd: int, start: int, views: Sequence[memoryview]) -> int:
+    """``preadv`` until ``views`` are full or the file ends; the bytes read."""
+    pending = deque(v for v in views if v.nbytes)
+    done = 0
+    while pending:
+        got = os.preadv(fd, list(itertools.islice(pending, IOV_MAX)), start + done)
+        if not got:
+            break
+        done += got
+        while got:
+            head = pending[0]
+            if got < head.nbytes:
+                pending[0] = head[got:]
+                break
+            got -= head.nbytes
+            pending.popleft()
+    return done
 
 
 class GcsTransport(Transport):
