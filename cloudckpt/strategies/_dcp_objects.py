@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any, Protocol, cast
 
@@ -36,6 +36,7 @@ from cloudckpt.strategies._dcp_ranges import (
     storage_record_from,
 )
 from cloudckpt.strategies._host_copies import HOST_COPIES
+from cloudckpt.strategies._item_templates import ItemTemplates
 
 ITEM_OVERHEAD = 2048  # torch.save's zip records around a tensor's bytes: 1.55-1.58 KB (torch 2.13)
 
@@ -96,9 +97,19 @@ class DcpObject(Protocol):
         """Bytes appended so far."""
         ...
 
-    def append(self, data: torch.Tensor | io.BytesIO | Any) -> RecordedStorageInfo:
-        """Append one resolved write item; where it lies in the object."""
+    def append(
+        self, data: torch.Tensor | io.BytesIO | Any, templates: ItemTemplates
+    ) -> RecordedStorageInfo:
+        """Append one resolved write item (tensors of a known layout written from
+        ``templates``); where it lies in the object."""
         ...
+
+
+def _slicer(item: memoryview) -> Callable[[int, int], memoryview]:
+    def read(offset: int, nbytes: int) -> memoryview:
+        return item[offset : offset + nbytes]
+
+    return read
 
 
 def _not_an_item(data: Any) -> CheckpointingException:
@@ -116,18 +127,26 @@ class BufferedObject:
     def size(self) -> int:
         return self.buffer.tell()
 
-    def append(self, data: torch.Tensor | io.BytesIO | Any) -> RecordedStorageInfo:
+    def append(
+        self, data: torch.Tensor | io.BytesIO | Any, templates: ItemTemplates
+    ) -> RecordedStorageInfo:
         """Append one resolved write item; returns where it lies in the object (and,
         for a tensor, where its elements lie within the item: see
-        :mod:`cloudckpt.strategies._dcp_ranges`)."""
+        :mod:`cloudckpt.strategies._dcp_ranges`). A tensor of a layout seen before
+        is written from ``templates``."""
         offset = self.size
         record = None
         if isinstance(data, torch.Tensor):
             self.buffer.reserve(estimated_size(data))  # torch.save writes in one pass
             with HOST_COPIES.host(data) as host:
-                torch.save(host, cast(IO[bytes], self.buffer))  # it only writes
-            with self.buffer.view(offset, self.size) as item:
-                record = storage_record(item)
+                replayed = templates.write(host, self.buffer)
+                if replayed is None:
+                    torch.save(host, cast(IO[bytes], self.buffer))  # it only writes
+                    with self.buffer.view(offset, self.size) as item:
+                        record = storage_record(item)
+                        templates.learn(host, record, item.nbytes, _slicer(item))
+                else:
+                    record = replayed[1]
         elif isinstance(data, io.BytesIO):
             self.buffer.write(data.getbuffer())
         else:
@@ -150,15 +169,22 @@ class StreamedObject:
     def size(self) -> int:
         return self.stream.tell()
 
-    def append(self, data: torch.Tensor | io.BytesIO | Any) -> RecordedStorageInfo:
+    def append(
+        self, data: torch.Tensor | io.BytesIO | Any, templates: ItemTemplates
+    ) -> RecordedStorageInfo:
         """As :meth:`BufferedObject.append`."""
         offset = self.size
         record = None
         if isinstance(data, torch.Tensor):
-            headers = _ItemHeaders(self.stream)
             with HOST_COPIES.host(data) as host:
-                torch.save(host, cast(IO[bytes], headers))  # it only writes
-            record = storage_record_from(headers.bytes_at, headers.size)
+                replayed = templates.write(host, self.stream)
+                if replayed is None:
+                    headers = _ItemHeaders(self.stream)
+                    torch.save(host, cast(IO[bytes], headers))  # it only writes
+                    record = storage_record_from(headers.bytes_at, headers.size)
+                    templates.learn(host, record, headers.size, headers.bytes_at)
+                else:
+                    record = replayed[1]
         elif isinstance(data, io.BytesIO):
             self.stream.write(data.getbuffer())
         else:

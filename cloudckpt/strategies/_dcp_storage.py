@@ -71,6 +71,7 @@ from cloudckpt.strategies._dcp_objects import (
 )
 from cloudckpt.strategies._dcp_ranges import plain_info, with_records
 from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
+from cloudckpt.strategies._item_templates import ItemTemplates
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -229,6 +230,7 @@ class CloudStorageWriter(StorageWriter):
         open_object: Callable[[str, int], _Obj],
     ) -> Iterator[tuple[_Obj, list[DcpWriteResult]]]:
         count = 0
+        templates = ItemTemplates()
         obj: _Obj | None = None
         results: list[DcpWriteResult] = []
         hint = self.separation_hint
@@ -249,7 +251,7 @@ class CloudStorageWriter(StorageWriter):
                 capacity = max(estimate, min(self.object_size, estimate + remaining))
                 obj = open_object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"), capacity)
                 count += 1
-            info = obj.append(data)
+            info = obj.append(data, templates)
             results.append(DcpWriteResult(item.index, info.length, info))
         if obj is not None:
             yield obj, results
