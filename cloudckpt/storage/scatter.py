@@ -5,8 +5,9 @@ many items into as many tensors. The items' ranges do not fall on the 1 MiB bloc
 that the manifest's CRC-32Cs cover (an item's zip headers lie between two tensors'
 elements), so reading each range alone cannot check its first and last block without
 reading those blocks again. Here every run of blocks that the ranges of one object
-touch is read with ``preadv`` in one request: the ranges' bytes straight into their
-buffers, the few bytes between them (headers) into scratch buffers; each block's
+touch is read as one request (one open, ``readinto`` buffer after buffer, through the
+location's filesystem): the ranges' bytes straight into their buffers, the few bytes
+between them (headers) into scratch buffers; each block's
 CRC-32C is then computed across the pieces that hold it, in order (CRC-32C continues
 from one piece into the next), and compared with the manifest's. One copy per byte,
 as ``torch.load`` makes, plus one CRC pass; no byte read twice.

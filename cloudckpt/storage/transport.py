@@ -9,12 +9,9 @@ them at its edge, naming the object.
 
 from __future__ import annotations
 
-import itertools
-import os
 import posixpath
-from collections import deque
 from collections.abc import Sequence
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, cast
 
 from cloudckpt.retry_policy import RetryPolicy
 from cloudckpt.storage.buffers import plan_parts
@@ -31,7 +28,6 @@ if TYPE_CHECKING:
     from cloudckpt.storage.pool import PendingWrite
 
 GCS_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable uploads take chunks in multiples of this
-IOV_MAX = 1024  # buffers per preadv call (Linux's UIO_MAXIOV)
 
 
 class StoreChecksumError(ValueError):
@@ -152,10 +148,7 @@ class LocalTransport(Transport):
 
     def open_sequential(self, path: str) -> IO[bytes]:
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        return open(path, "wb", buffering=0)
-
-    def remove(self, path: str) -> None:
-        os.unlink(path)
+        return cast(IO[bytes], self.fs.open(path, "wb"))
 
     def put(self, path: str, view: memoryview, checksum: int) -> None:
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -172,34 +165,18 @@ class LocalTransport(Transport):
             return int(f.readinto(out))
 
     def read_segments(self, path: str, start: int, views: Sequence[memoryview]) -> int:
-        with self.pool.slots:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                return _preadv_all(fd, start, views)
-            finally:
-                os.close(fd)
+        done = 0
+        with self.pool.slots, self.fs.open(path, "rb") as f:
+            f.seek(start)
+            for view in views:
+                got = int(f.readinto(view)) if view.nbytes else 0
+                done += got
+                if got < view.nbytes:
+                    break
+        return done
 
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
         return [(0, nbytes)]
-
-
-def _preadv_all(fd: int, start: int, views: Sequence[memoryview]) -> int:
-    """``preadv`` until ``views`` are full or the file ends; the bytes read."""
-    pending = deque(v for v in views if v.nbytes)
-    done = 0
-    while pending:
-        got = os.preadv(fd, list(itertools.islice(pending, IOV_MAX)), start + done)
-        if not got:
-            break
-        done += got
-        while got:
-            head = pending[0]
-            if got < head.nbytes:
-                pending[0] = head[got:]
-                break
-            got -= head.nbytes
-            pending.popleft()
-    return done
 
 
 class GcsTransport(Transport):
