@@ -125,18 +125,15 @@ def test_a_missing_listed_object_is_damage(tmp_path: Path) -> None:
 
 def test_request_threads_are_kept_and_nested_calls_get_their_own() -> None:
     pool = RequestPool(2)
-    seen: list[str] = []
+    with pool.executor(4) as first:
+        futures = [first.submit(threading.current_thread) for _ in range(4)]
+    assert all(f.done() for f in futures)  # leaving the lease waited for its tasks
+    with pool.executor(4) as second:
+        assert second is first  # the same threads again
+        with pool.executor(4) as nested:
+            assert nested is not first  # leased meanwhile: threads of its own
 
-    def record(_: int) -> None:
-        seen.append(threading.current_thread().name)
-
-    pool.map(record, [1, 2, 3, 4])
-    first = set(seen)
-    seen.clear()
-    pool.map(record, [1, 2, 3, 4])
-    assert set(seen) <= first  # the same threads again
-
-    def nested(i: int) -> list[int]:
+    def inner(i: int) -> list[int]:
         return pool.map(lambda j: i * 10 + j, [1, 2, 3])
 
-    assert pool.map(nested, [1, 2, 3]) == [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+    assert pool.map(inner, [1, 2, 3]) == [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
