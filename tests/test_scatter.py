@@ -25,6 +25,7 @@ from cloudckpt.errors import CorruptObjectError
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
 from cloudckpt.storage.pool import RequestPool
+from cloudckpt.storage.scatter import plan_runs
 
 MiB = 1024 * 1024
 SIZE = 5 * MiB + 4321
@@ -137,3 +138,17 @@ def test_request_threads_are_kept_and_nested_calls_get_their_own() -> None:
         return pool.map(lambda j: i * 10 + j, [1, 2, 3])
 
     assert pool.map(inner, [1, 2, 3]) == [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+
+
+def test_runs_cut_at_block_multiples_cover_every_byte_once(tmp_path: Path) -> None:
+    storage, _, _ = _written(tmp_path)
+    views = [(ReadRequest("obj", a), memoryview(bytearray(b - a))) for a, b in _ranges()]
+    runs = plan_runs(storage.expected, views, max_run=MiB + 5)  # whole blocks: 1 MiB runs
+    assert [(r.start, r.end) for r in runs] == [
+        (i * MiB, min((i + 1) * MiB, SIZE)) for i in range(6)
+    ]
+    for run in runs:
+        offsets = [offset for offset, _ in run.segments]
+        lengths = [view.nbytes for _, view in run.segments]
+        assert offsets[0] == run.start and sum(lengths) == run.end - run.start
+        assert all(o + n == p for o, n, p in zip(offsets, lengths, offsets[1:], strict=False))

@@ -89,10 +89,8 @@ def _checked_runs(
             spans.append((first, last, [(start, view)]))
     runs = []
     for first, last, members in spans:
-        segments = _filled(first, last, members)
-        for cut in range(first, last, step):
-            piece = tuple(_within(segments, cut, min(cut + step, last)))
-            runs.append(Run(path, cut, min(cut + step, last), piece, blocks))
+        for start, end, piece in _cut(_filled(first, last, members), first, last, step):
+            runs.append(Run(path, start, end, piece, blocks))
     return runs
 
 
@@ -110,14 +108,28 @@ def _filled(first: int, last: int, members: list[tuple[int, memoryview]]) -> lis
     return segments
 
 
-def _within(segments: list[Segment], start: int, end: int) -> list[Segment]:
-    """The parts of contiguous ``segments`` inside ``[start, end)``."""
-    out = []
-    for offset, view in segments:
-        lo, hi = max(offset, start), min(offset + view.nbytes, end)
-        if lo < hi:
-            out.append((lo, view[lo - offset : hi - offset]))
-    return out
+def _cut(
+    segments: list[Segment], first: int, last: int, step: int
+) -> list[tuple[int, int, tuple[Segment, ...]]]:
+    """Contiguous ``segments`` covering ``[first, last)`` cut into runs of ``step``
+    bytes (the last shorter), a segment crossing a cut split in two; one pass."""
+    runs: list[tuple[int, int, tuple[Segment, ...]]] = []
+    current: list[Segment] = []
+    start = first
+    for offset, segment in segments:
+        at, view = offset, segment
+        while view.nbytes:
+            end = min(start + step, last)
+            take = min(end - at, view.nbytes)
+            current.append((at, view[:take] if take < view.nbytes else view))
+            at += take
+            view = view[take:]
+            if at == end:
+                runs.append((start, end, tuple(current)))
+                current, start = [], end
+    if current:
+        runs.append((start, min(start + step, last), tuple(current)))
+    return runs
 
 
 def check_run(run: Run, expected: Expected) -> None:
