@@ -26,7 +26,8 @@ from cloudckpt.errors import (
 )
 from cloudckpt.manifest import Manifest
 from cloudckpt.storage import CheckpointStorage
-from cloudckpt.strategies._dcp_storage import ITEM_OVERHEAD, CloudStorageReader, CloudStorageWriter
+from cloudckpt.strategies._dcp_objects import ITEM_OVERHEAD
+from cloudckpt.strategies._dcp_storage import CloudStorageReader, CloudStorageWriter
 from cloudckpt.strategies.base import get_default_strategy
 from cloudckpt.strategies.torch import (
     TorchDistLoadShardedStrategy,
@@ -294,8 +295,16 @@ def test_four_ranks_tp2_dp2_flattened_s3(rank_pool, s3_bucket):
     assert verify(uri, deep=True, storage_options=options).ok
 
 
+def _buffered(storage: CheckpointStorage) -> CheckpointStorage:
+    """``storage`` (local) writing as to an object store: objects assembled in memory
+    and written whole, in batches, instead of streamed into their files."""
+    storage.transport.writes_in_place = False  # type: ignore[misc]
+    assert not storage.writes_in_place
+    return storage
+
+
 def test_writer_uploads_in_bounded_batches(tmp_path):
-    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    storage = _buffered(CheckpointStorage(str(tmp_path / "ckpt")))
     batches: list[list[int]] = []
     upload = storage.write_many
 
@@ -324,7 +333,7 @@ def test_a_batch_failing_in_the_background_stops_the_writer(tmp_path):
     """Batches upload in the background while the next is serialized: the first
     batch's failure stops the writer at the next batch (nothing more is serialized
     than the batch in hand) and fails the save with that error."""
-    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    storage = _buffered(CheckpointStorage(str(tmp_path / "ckpt")))
     uploaded: list[int] = []
     serialized: list[str] = []
     upload = storage.write_many

@@ -27,7 +27,9 @@ Modules: :mod:`.location` (URI -> filesystem, root, kind; key validation),
 (requests in flight), :mod:`.checked` (manifest-checked reads), :mod:`.blocks` (block
 CRCs: a CRC-32C per 1 MiB block, so ranged reads are checked too), :mod:`.edge` (error
 translation), :mod:`.listing`, :mod:`.reads`, :mod:`.admin`, :mod:`.checkpoint` (the
-facade), :mod:`.buffers` (pure byte helpers), :mod:`.types`.
+facade), :mod:`.streams` (objects written front to back into local files),
+:mod:`.local_scatter` and :mod:`.scatter` (reads into many buffers from local files and
+by ranged GETs, checked in place), :mod:`.buffers` (pure byte helpers), :mod:`.types`.
 """
 
 from __future__ import annotations

@@ -162,6 +162,45 @@ def object_checksum(data: Buffer, block_size: int = BLOCK_SIZE) -> tuple[int, Bl
     return whole, BlockCrcs.of(block_size, crcs)
 
 
+class BlockChecksummer:
+    """:func:`object_checksum` of bytes fed in pieces of any size, in order, with each
+    byte read once (the block CRCs as they fill, the object's combined from them)."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.size = 0
+        self._whole = 0
+        self._crcs: list[int] = []
+        self._crc = 0  # of the block being filled
+        self._fill = 0  # its bytes so far
+
+    def update(self, data: Buffer) -> None:
+        """Checksum the next bytes of the object."""
+        view = as_bytes_view(data)
+        self.size += view.nbytes
+        while view.nbytes:
+            take = min(self.block_size - self._fill, view.nbytes)
+            self._crc = crc32c(view[:take] if take < view.nbytes else view, self._crc)
+            self._fill += take
+            view = view[take:]
+            if self._fill == self.block_size:
+                self._close_block()
+
+    def _close_block(self) -> None:
+        self._crcs.append(self._crc)
+        self._whole = combine(self._whole, self._crc, self._fill)
+        self._crc, self._fill = 0, 0
+
+    def result(self) -> tuple[int, BlockCrcs | None]:
+        """The object's CRC-32C, with its block CRCs when it is larger than one block
+        (as :func:`object_checksum`; call once, after the last :meth:`update`)."""
+        if self._fill:
+            self._close_block()
+        if self.size <= self.block_size:
+            return self._whole, None
+        return self._whole, BlockCrcs.of(self.block_size, self._crcs)
+
+
 @dataclass(frozen=True, slots=True)
 class PartChecksum:
     """One multipart part: its CRC-32C, length and block CRCs."""

@@ -11,7 +11,7 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ from cloudckpt.storage.blocks import block_size_for, object_checksum
 from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view, crc32c, plan_parts
 from cloudckpt.storage.checked import Expected
 from cloudckpt.storage.edge import PRECONDITION_FAILED, error_code, io_errors, translate
+from cloudckpt.storage.local_scatter import Run, check_run, plan_runs
 from cloudckpt.storage.location import (
     StoreKind,
     enforces_exclusive_writes,
@@ -35,8 +36,9 @@ from cloudckpt.storage.location import (
 )
 from cloudckpt.storage.pool import PendingWrite, RequestPool, guarded
 from cloudckpt.storage.reads import StorageReads
+from cloudckpt.storage.streams import ObjectStream
 from cloudckpt.storage.transport import transport_for
-from cloudckpt.storage.types import WriteResult
+from cloudckpt.storage.types import ReadRequest, WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,36 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         :func:`cloudckpt.storage.location.enforces_exclusive_writes`)."""
         return enforces_exclusive_writes(self.location)
 
+    # -- reads in place ----------------------------------------------------------------
+
+    def read_into_many(self, items: Sequence[tuple[ReadRequest, Buffer]]) -> None:
+        """:meth:`StorageReads.read_into_many`; on stores that read in place (local
+        files), the ranges of each object are read in runs of whole blocks straight
+        into their buffers and checked there (:mod:`cloudckpt.storage.local_scatter`)."""
+        if self.transport.reads_in_place and not self.expected.verify_checksums:
+            views = [(request, as_bytes_view(buffer)) for request, buffer in items]
+            runs = plan_runs(self.expected, views, self.part_size)
+            if runs is not None:
+                for request, view in views:
+                    if not view.nbytes:  # no read, but the object must exist
+                        self.read(request.path, request.start, request.start)
+                self.pool.map(self._read_local_run, runs)
+                return
+        super().read_into_many(items)
+
+    def _read_local_run(self, run: Run) -> None:
+        """Fill one run's buffers from its object and check its blocks."""
+        views = [view for _, view in run.segments]
+        try:
+            got = self.transport.read_segments(self.full_path(run.path), run.start, views)
+        except FileNotFoundError as exc:
+            raise self.expected.not_found(run.path) from exc
+        except io_errors() as exc:
+            raise translate(exc, f"failed to read {self.child_uri(run.path)}: {exc}") from exc
+        self._count_read(got)
+        self.expected.check_length(run.path, run.start, run.end - run.start, got)
+        check_run(run, self.expected)
+
     # -- writes ------------------------------------------------------------------------
 
     def write(self, relpath: str, data: Buffer, *, exclusive: bool = False) -> WriteResult:
@@ -141,6 +173,31 @@ class CheckpointStorage(StorageReads, StorageAdmin):
             if not self._is_our_object(relpath, view.nbytes, checksum):
                 raise ObjectExistsError(f"{self.child_uri(relpath)} already exists") from exc
         return WriteResult(relpath, view.nbytes, checksum, blocks)
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether :meth:`open_stream` writes objects straight into the store (local
+        files); elsewhere objects are assembled in memory and written whole."""
+        return self.transport.writes_in_place
+
+    def open_stream(self, relpath: str) -> ObjectStream:
+        """Start writing the object ``relpath`` front to back, straight into the
+        store, replacing any previous one (stores that :attr:`writes_in_place` only):
+        see :mod:`cloudckpt.storage.streams`. The caller ends it with
+        ``finish()`` (returns its :class:`WriteResult`) or ``abort()``.
+
+        Raises:
+            StorageError: the file cannot be created.
+        """
+        path = self.full_path(relpath)
+        uri = self.child_uri(relpath)
+        try:
+            file = self.transport.open_sequential(path)
+        except io_errors() as exc:
+            raise translate(exc, f"failed to write {uri}: {exc}") from exc
+        return ObjectStream(
+            relpath, uri, file, self.pool.slots, lambda: self.transport.remove(path)
+        )
 
     def _is_our_object(self, relpath: str, size: int, checksum: int) -> bool:
         """After a 412: did an earlier attempt of this very request (retried by botocore

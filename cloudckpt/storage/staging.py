@@ -53,6 +53,11 @@ class StagingStorage(CheckpointStorage):
         """Bytes held for upload."""
         return sum(view.nbytes for _, view in self._staged)
 
+    @property
+    def writes_in_place(self) -> bool:
+        """Never: every plain write is staged in memory."""
+        return False
+
     def write(self, relpath: str, data: Buffer, *, exclusive: bool = False) -> WriteResult:
         """Stage ``data`` (a copy); a create-only write goes to the store at once."""
         if exclusive:

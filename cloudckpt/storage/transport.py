@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, cast
 
 from cloudckpt.retry_policy import RetryPolicy
 from cloudckpt.storage.buffers import plan_parts
@@ -47,6 +47,9 @@ class Transport:
     # whole blocks are read straight into it. Elsewhere the ranges of many buffers are
     # fetched in merged runs of up to a part, streamed straight into them (.scatter).
     reads_in_place = False
+    # Objects can be written front to back straight into the store's file
+    # (:meth:`open_sequential`): local files only.
+    writes_in_place = False
 
     def __init__(
         self,
@@ -71,6 +74,15 @@ class Transport:
         """Write a whole object only if none exists (raises ``FileExistsError``)."""
         with self.pool.slots:
             self.fs.pipe_file(path, view, mode="create")
+
+    def open_sequential(self, path: str) -> IO[bytes]:
+        """A new unbuffered file at ``path`` to write an object front to back,
+        replacing any previous one (transports with ``writes_in_place`` only)."""
+        raise NotImplementedError(f"{type(self).__name__} writes whole objects only")
+
+    def remove(self, path: str) -> None:
+        """Remove the object at ``path`` (an unfinished sequential write)."""
+        self.fs.rm_file(path)
 
     def fetch(
         self, path: str, start: int, end: int | None, *, store_checked: bool = False
@@ -101,6 +113,12 @@ class Transport:
             segment[: piece.nbytes] = piece
             done += piece.nbytes
         return data.nbytes
+
+    def read_segments(self, path: str, start: int, views: Sequence[memoryview]) -> int:
+        """Fill ``views`` in order with the bytes of ``path`` from ``start`` on, in one
+        request (transports that read in place only); returns the bytes received
+        (fewer at the end of the object)."""
+        raise NotImplementedError(f"{type(self).__name__} has no scattered reads")
 
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
         """How a read of ``nbytes`` into one buffer is cut into concurrent requests."""
@@ -139,6 +157,11 @@ class LocalTransport(Transport):
     straight into the caller's buffer."""
 
     reads_in_place = True
+    writes_in_place = True
+
+    def open_sequential(self, path: str) -> IO[bytes]:
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        return cast(IO[bytes], self.fs.open(path, "wb"))
 
     def put(self, path: str, view: memoryview, checksum: int) -> None:
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -153,6 +176,17 @@ class LocalTransport(Transport):
         with self.pool.slots, self.fs.open(path, "rb") as f:
             f.seek(start)
             return int(f.readinto(out))
+
+    def read_segments(self, path: str, start: int, views: Sequence[memoryview]) -> int:
+        done = 0
+        with self.pool.slots, self.fs.open(path, "rb") as f:
+            f.seek(start)
+            for view in views:
+                got = int(f.readinto(view)) if view.nbytes else 0
+                done += got
+                if got < view.nbytes:
+                    break
+        return done
 
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
         return [(0, nbytes)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import math
 import re
 import struct
@@ -44,8 +45,11 @@ from cloudckpt.config import MiB
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import ReadRequest
 from cloudckpt.storage.buffers import BufferReader
+from cloudckpt.strategies._torch_zip import Reader, ZipLayoutError, find_storage
 from cloudckpt.strategies._zarr_format import bytes_to_tensor
 from cloudckpt.validation import chunk_shape
+
+logger = logging.getLogger(__name__)
 
 TENSOR_DATA_KEY = "cloudckpt_tensor_data"
 """The ``mcore_data[key]`` entry: ``{chunk offsets (tuple): (start, nbytes)}``, where
@@ -70,11 +74,40 @@ Record = tuple[int, int]  # (start within the item, nbytes) of the tensor's elem
 def storage_record(item: memoryview) -> Record | None:
     """``(start, nbytes)`` of the tensor elements within one ``torch.save`` item: its
     only storage record, stored uncompressed. None when the item has no such single
-    record (several storages, a compressed record) or the machine is big-endian."""
+    record (several storages, a compressed record) or the machine is big-endian.
+
+    Read from the zip directory with :mod:`struct`
+    (:func:`~cloudckpt.strategies._torch_zip.find_storage`); an archive laid out
+    otherwise than expected is read with ``zipfile`` instead."""
+
+    def read(offset: int, nbytes: int) -> memoryview:
+        return item[offset : offset + nbytes]
+
+    return storage_record_from(read, item.nbytes, item)
+
+
+def storage_record_from(read: Reader, size: int, item: memoryview | None = None) -> Record | None:
+    """:func:`storage_record` of a ``size``-byte item of which ``read`` gives the
+    directory and headers (the item's elements need not be at hand): None also when
+    the layout is not the expected one and the whole ``item`` is not given."""
     if sys.byteorder != "little":
         return None
-    with zipfile.ZipFile(BufferReader(item)) as archive:
-        records = [i for i in archive.infolist() if _STORAGE_RECORD.fullmatch(i.filename)]
+    try:
+        return find_storage(read, size)
+    except ZipLayoutError as exc:
+        if item is None:
+            logger.debug("no storage record found in a torch.save item: %s", exc)
+            return None
+    return _storage_record_zipfile(item)
+
+
+def _storage_record_zipfile(item: memoryview) -> Record | None:
+    """:func:`storage_record` through ``zipfile`` (any valid archive)."""
+    try:
+        with zipfile.ZipFile(BufferReader(item)) as archive:
+            records = [i for i in archive.infolist() if _STORAGE_RECORD.fullmatch(i.filename)]
+    except zipfile.BadZipFile:
+        return None
     if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
         return None
     info = records[0]

@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-import math
 import os
 import pickle
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as TaskFuture
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from contextlib import contextmanager
-from dataclasses import InitVar, dataclass, field, fields, replace
-from typing import IO, Any, cast
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -64,117 +62,26 @@ from cloudckpt.errors import (
 from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
-from cloudckpt.strategies._append_buffer import AppendBuffer
-from cloudckpt.strategies._dcp_ranges import (
-    Record,
-    RecordedStorageInfo,
-    plain_info,
-    storage_record,
-    with_records,
+from cloudckpt.strategies._dcp_objects import (
+    BufferedObject,
+    DcpObject,
+    StreamedObject,
+    estimated_size,
+    planned_size,
+    without_zip_crc32,
 )
+from cloudckpt.strategies._dcp_ranges import plain_info, with_records
 from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
-from cloudckpt.strategies._host_copies import HOST_COPIES
-from cloudckpt.strategies._torch_save_template import TEMPLATES
+from cloudckpt.strategies._item_templates import ItemTemplates
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 DCP_VERSION = "1.0.0"
 DEFAULT_OBJECT_SIZE = 256 * 1024 * 1024
 DEFAULT_BATCH_BYTES = 512 * 1024 * 1024
-ITEM_OVERHEAD = 2048  # torch.save's zip records around a tensor's bytes: 1.55-1.58 KB (torch 2.13)
 SMALL_ITEM_BYTES = BLOCK_SIZE  # items below one CRC block go first in their object
 
-
-def _estimated_size(data: torch.Tensor | io.BytesIO) -> int:
-    if isinstance(data, torch.Tensor):
-        return data.numel() * data.element_size() + ITEM_OVERHEAD
-    return data.getbuffer().nbytes
-
-
-@contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    """``torch.save`` without the CRC-32 of each zip record (torch >= 2.6).
-
-    Serializing a tensor into memory ran at 0.95 GB/s with it and 3.0 GB/s without it
-    (256 MiB float32, this machine): the CRC was two thirds of the work, and of an async
-    save's blocking time. PyTorch's reader never checks it (its miniz is built with
-    ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``, since before 1.10), so ``torch.load``,
-    PyTorch DCP and Megatron-Core read these items as before; cloudckpt checks every
-    byte against its own CRC-32Cs (manifest, blocks). Python's ``zipfile`` would
-    refuse to extract such a record (it checks): no reader of DCP items uses it. The
-    switch is torch's process-wide setting, restored afterwards; a ``torch.save`` in
-    another thread meanwhile also skips its CRCs, and is read by torch just as well.
-    """
-    set_options = getattr(torch.serialization, "set_crc32_options", None)
-    get_options = getattr(torch.serialization, "get_crc32_options", None)
-    if set_options is None or get_options is None:
-        yield
-        return
-    before = get_options()
-    set_options(False)
-    try:
-        yield
-    finally:
-        set_options(before)
-
-
-def _planned_size(item: WriteItem) -> int:
-    """The bytes a tensor item will take in its object, from the plan (a bytes item's
-    size is known only once it is serialized: 0)."""
-    if item.tensor_data is None:
-        return 0
-    return (
-        math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
-        + ITEM_OVERHEAD
-    )
-
-
-@dataclass
-class _Object:
-    """One ``.distcp`` object being assembled: items appended to one buffer."""
-
-    path: str
-    capacity: InitVar[int] = 0
-    buffer: AppendBuffer = field(init=False)
-
-    def __post_init__(self, capacity: int) -> None:
-        self.buffer = AppendBuffer(capacity)
-
-    @property
-    def size(self) -> int:
-        return self.buffer.tell()
-
-    def append(self, data: torch.Tensor | io.BytesIO | Any) -> RecordedStorageInfo:
-        """Append one resolved write item; returns where it lies in the object (and,
-        for a tensor, where its elements lie within the item: see
-        :mod:`cloudckpt.strategies._dcp_ranges`)."""
-        offset = self.size
-        record = None
-        if isinstance(data, torch.Tensor):
-            with HOST_COPIES.host(data) as host, _without_zip_crc32():
-                record = self._append_tensor(host, offset)
-        elif isinstance(data, io.BytesIO):
-            self.buffer.write(data.getbuffer())
-        else:
-            raise CheckpointingException(f"cannot store a {type(data).__name__} as a DCP item")
-        return RecordedStorageInfo(self.path, offset, self.size - offset, record=record)
-
-    def _append_tensor(self, tensor: torch.Tensor, offset: int) -> Record | None:
-        """Append ``tensor``'s ``torch.save`` bytes (cached records around its elements
-        where :mod:`._torch_save_template` can, else ``torch.save`` itself)."""
-        saved = TEMPLATES.saved(tensor)
-        if saved is not None:
-            self.buffer.reserve(saved.nbytes)
-            for part in (saved.head, saved.elements, saved.tail):
-                self.buffer.write(part)
-            return saved.record
-        self.buffer.reserve(_estimated_size(tensor))  # torch.save writes in one pass
-        torch.save(tensor, cast(IO[bytes], self.buffer))  # it only writes
-        with self.buffer.view(offset, self.size) as item:
-            return storage_record(item)
-
-    def payload(self) -> memoryview:
-        return self.buffer.view()
+_Obj = TypeVar("_Obj", bound=DcpObject)
 
 
 class CloudStorageWriter(StorageWriter):
@@ -243,17 +150,52 @@ class CloudStorageWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[DcpWriteResult]]:
-        """Serialize this rank's items into objects and upload them, a batch uploading
-        in the background while the next is serialized (two half batches: at most
-        about ``batch_bytes`` held)."""
+        """Serialize this rank's items into objects and write them: on local disks
+        straight into their files, elsewhere assembled in memory and uploaded (see
+        :meth:`_write_buffered`)."""
         prefix: _StoragePrefix = plan.storage_data
+        if self.storage.writes_in_place:
+            out = self._write_streamed(prefix.prefix, plan.items, planner)
+        else:
+            out = self._write_buffered(prefix.prefix, plan.items, planner)
+        future: Future[list[DcpWriteResult]] = Future()
+        future.set_result(out)
+        return future
+
+    def _write_streamed(
+        self, prefix: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[DcpWriteResult]:
+        """Serialize every object straight into its file, one after another (an
+        unfinished one is removed on failure)."""
         out: list[DcpWriteResult] = []
-        pending: list[_Object] = []
+        opened: list[StreamedObject] = []
+
+        def open_object(path: str, capacity: int) -> StreamedObject:
+            opened.append(StreamedObject(path, self.storage.open_stream(path)))
+            return opened[-1]
+
+        try:
+            for obj, results in self._objects(prefix, items, planner, open_object):
+                out += results
+                self.results.append(obj.finish())
+        finally:
+            for obj in opened:
+                obj.abort()  # a no-op for those finished
+        return out
+
+    def _write_buffered(
+        self, prefix: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[DcpWriteResult]:
+        """Serialize the objects in memory and upload them, a batch uploading in the
+        background while the next is serialized (two half batches: at most about
+        ``batch_bytes`` held)."""
+        out: list[DcpWriteResult] = []
+        pending: list[BufferedObject] = []
         with ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-dcp-upload") as uploader:
             uploading: TaskFuture[None] | None = None
             try:
-                for obj, items in self._objects(prefix.prefix, plan.items, planner):
-                    out += items
+                for obj, results in self._objects(prefix, items, planner, BufferedObject):
+                    out += results
                     pending.append(obj)
                     if sum(o.size for o in pending) >= self.batch_bytes // 2:
                         if uploading is not None:
@@ -266,34 +208,49 @@ class CloudStorageWriter(StorageWriter):
                 if uploading is not None:  # never left running: it holds the objects
                     wait_all([uploading])
         self._upload(pending)
-        future: Future[list[DcpWriteResult]] = Future()
-        future.set_result(out)
-        return future
+        return out
 
     def _objects(
-        self, prefix: str, items: list[WriteItem], planner: SavePlanner
-    ) -> Iterator[tuple[_Object, list[DcpWriteResult]]]:
+        self,
+        prefix: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        open_object: Callable[[str, int], _Obj],
+    ) -> Iterator[tuple[_Obj, list[DcpWriteResult]]]:
         """Pack the items into objects of about ``object_size`` bytes, in plan order
         (the items of the separation hint after the others, in objects of their own),
         items under one block first: a load that needs many small items of an object
         (layer norms, biases) reads the few blocks they share in one ranged GET instead
-        of one block per item."""
+        of one block per item. ``open_object(path, capacity)`` starts each
+        (``capacity``: its expected size). Tensors are serialized without torch's zip
+        CRC-32 (:func:`without_zip_crc32`)."""
+        with without_zip_crc32():
+            yield from self._packed(prefix, items, planner, open_object)
+
+    def _packed(
+        self,
+        prefix: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        open_object: Callable[[str, int], _Obj],
+    ) -> Iterator[tuple[_Obj, list[DcpWriteResult]]]:
         count = 0
-        obj: _Object | None = None
+        templates = ItemTemplates()
+        obj: _Obj | None = None
         results: list[DcpWriteResult] = []
         hint = self.separation_hint
 
         def order(item: WriteItem) -> tuple[bool, bool]:
             separated = bool(hint) and item.index.fqn.startswith(hint or "")
-            return separated, _planned_size(item) >= SMALL_ITEM_BYTES
+            return separated, planned_size(item) >= SMALL_ITEM_BYTES
 
         grouped = sorted(items, key=order)
         group = False
-        remaining = sum(_planned_size(item) for item in grouped)  # sizes the objects
+        remaining = sum(planned_size(item) for item in grouped)  # sizes the objects
         for item in grouped:
             data = planner.resolve_data(item)
-            estimate = _estimated_size(data)
-            remaining -= _planned_size(item)
+            estimate = estimated_size(data)
+            remaining -= planned_size(item)
             separated = bool(hint) and item.index.fqn.startswith(hint or "")
             full = obj is not None and obj.size and obj.size + estimate > self.object_size
             if obj is not None and (full or separated != group):
@@ -302,9 +259,9 @@ class CloudStorageWriter(StorageWriter):
             group = separated
             if obj is None:
                 capacity = max(estimate, min(self.object_size, estimate + remaining))
-                obj = _Object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"), capacity)
+                obj = open_object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"), capacity)
                 count += 1
-            info = obj.append(data)
+            info = obj.append(data, templates)
             results.append(DcpWriteResult(item.index, info.length, info))
         if obj is not None:
             yield obj, results
@@ -318,7 +275,7 @@ class CloudStorageWriter(StorageWriter):
             return name
         return f"{hashlib.sha256(name.encode()).hexdigest()[:digits]}/{name}"
 
-    def _upload(self, objects: list[_Object]) -> None:
+    def _upload(self, objects: list[BufferedObject]) -> None:
         if objects:
             payloads = [(o.path, o.payload()) for o in objects]  # serialized here: ours
             self.results += self.storage.write_many(payloads, owned=True)

@@ -36,6 +36,7 @@ from torch.futures import Future
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
+from cloudckpt.strategies._dcp_objects import BufferedObject
 from cloudckpt.strategies._dcp_storage import DEFAULT_OBJECT_SIZE, CloudStorageWriter
 from cloudckpt.strategies.base import checkpoint_uri
 
@@ -139,7 +140,7 @@ class FileSystemWriterAsync(CloudStorageWriter):
         prefix = plan.storage_data.prefix
         buckets: WriteBuckets = []
         outcome = _Outcome()
-        for obj, items in self._objects(prefix, plan.items, planner):
+        for obj, items in self._objects(prefix, plan.items, planner, BufferedObject):
             buckets.append((obj.path, obj.payload()))
             outcome.items += items
         self.write_buckets, self._outcome = buckets, outcome
