@@ -41,3 +41,32 @@ def test_cpu_tensors_are_serialized_as_they_are_unless_a_view() -> None:
     with copies.host(whole[2:5]) as view:  # torch.save would write the whole storage
         assert view.untyped_storage().nbytes() == 12 and torch.equal(view, whole[2:5])
     assert copies.kept_bytes == 0 and to_host(whole).data_ptr() == whole.data_ptr()
+
+
+def test_staged_copies_are_held_until_released_then_reused_by_the_next_save() -> None:
+    copies = HostCopies(limit_bytes=1 << 20, pin=False, keep_cpu=True)
+    layers = [torch.full((4, 4), float(i)) for i in range(3)]  # one shape, three tensors
+    staged = copies.copies(layers)
+    assert [t.data_ptr() for t in staged] != [t.data_ptr() for t in layers]
+    for layer in layers:
+        layer.add_(100.0)  # the training step after staging: the copies keep the old values
+    assert all(torch.equal(s, torch.full((4, 4), float(i))) for i, s in enumerate(staged))
+    again = copies.copies(layers)  # a save while the first still holds its copies: new ones
+    assert {t.data_ptr() for t in again}.isdisjoint(t.data_ptr() for t in staged)
+    assert copies.kept_bytes == 0
+    copies.release(staged)
+    assert copies.kept_bytes == 3 * 64
+    third = copies.copies(layers)  # every kept buffer of the shape reused
+    assert {t.data_ptr() for t in third} == {t.data_ptr() for t in staged}
+    assert all(torch.equal(t, layer) for t, layer in zip(third, layers, strict=True))
+    copies.release([torch.zeros(4, 4)])  # not one of its buffers: not kept
+    assert copies.kept_bytes == 0
+
+
+def test_cpu_tensors_are_staged_into_fresh_copies_by_default() -> None:
+    copies = HostCopies(pin=False)
+    source = torch.arange(6.0).reshape(2, 3).t()  # not contiguous: the copy is
+    (staged,) = copies.copies([source])
+    assert torch.equal(staged, source) and staged.is_contiguous()
+    copies.release([staged])
+    assert copies.kept_bytes == 0  # a CPU-only process keeps no second copy of its state

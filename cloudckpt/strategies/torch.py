@@ -74,6 +74,7 @@ from cloudckpt.strategies._dcp_storage import (
     MCoreSavePlan,
     merge_metadata,
 )
+from cloudckpt.strategies._host_copies import HOST_COPIES
 from cloudckpt.strategies._torch_async import AsyncDcpSaveMixin
 from cloudckpt.strategies._torch_compat import (
     MCoreLoadPlanner,
@@ -347,8 +348,10 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
             separation_hint=self.separation_hint,
         )
 
+        lent: list[torch.Tensor] = []
+
         def make_state() -> dict[str, Any]:
-            state, extra = to_dcp_state_dict(host_copy(sharded_state_dict))
+            state, extra = to_dcp_state_dict(host_copy(sharded_state_dict, lent))
             writer.mcore_data = dict(extra)
             return state
 
@@ -360,7 +363,7 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
                 planned = plan_save(make_state, writer, planner, plan_cache=cache)
             except CheckpointException as exc:
                 raise save_failure(exc, storage.uri) from exc
-        return StagedDcpSave(planned, writer)
+        return StagedDcpSave(planned, writer, lent)
 
     def batch_writer(
         self, storage: CheckpointStorage, config: CheckpointConfig | None = None
@@ -369,33 +372,46 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         return DcpBatchWriter(self, storage, config)
 
 
-def host_copy(sharded_state_dict: ShardedStateDict) -> dict[str, Any]:
+def host_copy(
+    sharded_state_dict: ShardedStateDict, lent: list[torch.Tensor] | None = None
+) -> dict[str, Any]:
     """This rank's main replicas, each ShardedTensor with a host copy of its data (a
     shallow copy of the ShardedTensor): what an async save serializes later, while the
-    training loop changes its own tensors. ShardedObjects are kept as they are
-    (:func:`to_dcp_state_dict` serializes them at once)."""
-    copies: dict[str, Any] = {}
+    training loop changes its own tensors. Device tensors are copied into the buffers
+    :data:`~cloudckpt.strategies._host_copies.HOST_COPIES` keeps (pinned with CUDA,
+    reused by the next save once ``lent`` - which gets every copy - is released).
+    ShardedObjects are kept as they are (:func:`to_dcp_state_dict` serializes them at
+    once)."""
+    entries: list[Any] = []
+    staged: list[ShardedTensor] = []
+    tensors: list[torch.Tensor] = []
     for value in nested_values(sharded_state_dict):
         if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
             if value.data is None:
                 raise CheckpointingException(f"tensor {value.key!r} has no data to save")
-            staged = copy.copy(value)
-            staged.data = value.data.detach().to(
-                "cpu", copy=True, memory_format=torch.contiguous_format
-            )
-            copies[str(len(copies))] = staged
+            staged.append(copy.copy(value))
+            tensors.append(value.data)
+            entries.append(staged[-1])
         elif isinstance(value, ShardedObject) and is_main_replica(value.replica_id):
-            copies[str(len(copies))] = value
-    return copies
+            entries.append(value)
+    copies = HOST_COPIES.copies(tensors)
+    for entry, data in zip(staged, copies, strict=True):
+        entry.data = data
+    if lent is not None:
+        lent.extend(copies)
+    return {str(i): entry for i, entry in enumerate(entries)}
 
 
 class StagedDcpSave:
     """A torch_dist save planned and copied to host memory (see
     :meth:`TorchDistSaveShardedStrategy.stage_to`)."""
 
-    def __init__(self, planned: PlannedSave, writer: CloudStorageWriter) -> None:
+    def __init__(
+        self, planned: PlannedSave, writer: CloudStorageWriter, lent: list[torch.Tensor]
+    ) -> None:
         self._planned = planned
         self._writer = writer
+        self._lent = lent  # the host copies, back to HOST_COPIES once written
         self._items: list[Any] | None = None
 
     def upload(self) -> None:
@@ -405,6 +421,8 @@ class StagedDcpSave:
         self._planned.planner.set_up_planner(
             {}, is_coordinator=self._planned.wrapper.is_coordinator
         )
+        HOST_COPIES.release(self._lent)
+        self._lent = []
 
     def finish(self) -> list[WriteResult]:
         """Gather every rank's item results; the coordinator writes ``.metadata``.
