@@ -200,12 +200,16 @@ def _save(
     options: BenchOptions,
     strategy: Any = None,
     validate: bool = True,
-) -> None:
-    cloudckpt.save(
+    *,
+    asynchronous: bool = False,
+) -> Any:
+    """``cloudckpt.save`` as the bench runs it; the request of an async save."""
+    return cloudckpt.save(
         state,
         uri,
         sharded_strategy=strategy,
         validate_access_integrity=validate,
+        async_sharded_save=asynchronous,
         storage_options=options.storage_options,
         config=_config(options),
     )
@@ -245,15 +249,7 @@ def _async_save(
     whole of it (until the request ran and committed on every rank)."""
     _barrier()
     start = time.perf_counter()
-    request = cloudckpt.save(
-        state,
-        uri,
-        sharded_strategy=strategy,
-        validate_access_integrity=validate,
-        async_sharded_save=True,
-        storage_options=options.storage_options,
-        config=_config(options),
-    )
+    request = _save(state, uri, options, strategy, validate, asynchronous=True)
     blocking = time.perf_counter() - start
     assert request is not None
     request.execute_sync()
