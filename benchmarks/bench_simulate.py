@@ -24,16 +24,22 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
   distributed-optimizer chunks); torch_dist: DCP's coordinator step with cloudckpt's planner
   and writer (``create_global_plan``, ``prepare_global_plan``) on every rank's local plan,
   then ``finish`` (``.metadata`` from every rank's item results, into ``memory://``);
-* ``merge``: ``commit``'s coordinator step, ``build_manifest`` on every rank's write
-  results and tensor entries, and the manifest's canonical JSON (the records are
-  gathered on the coordinator only: the other ranks send theirs and receive nothing).
+* ``merge``: ``commit``'s coordinator step: unpickling every rank's tensor digest (the
+  all-gather that elects, among ranks with equal tensor entries, the one that sends them)
+  and every rank's ``CommitRecord`` (write results in columns, tensor entries from the
+  elected ranks only; gathered on the coordinator only), ``build_manifest`` on them, and
+  the manifest's canonical JSON. Each rank's own step (``CommitRecord.of``, its digest,
+  ``sends_tensors``) is not timed. Objects larger than one block carry (made-up) block
+  CRCs, as real write results do.
 
 Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
 to one core, so other load on the machine stretches wall time, not these figures),
 microseconds per (rank x tensor) of their total (constant when the steps grow linearly),
 the pickled bytes one rank sends in each exchange (validation metadata, flat-shard
 metadata or DCP local plan and item results, commit record), and the bytes a rank
-other than the coordinator receives (the all-gathers: ``recv MB/rank``).
+other than the coordinator receives (the all-gathers: ``recv MB/rank``). With ``--json``,
+``bytes_per_rank`` also holds ``commit_mean`` (the mean record: the coordinator receives
+ranks x that) and ``commit_digest`` (the all-gathered digest).
 Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
 one core's time for what the coordinator
 does, not a distributed run; on a shared machine they are provisional.
@@ -62,14 +68,16 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
-from cloudckpt.commit import build_manifest
+from cloudckpt.commit import COORDINATOR, build_manifest, sends_tensors
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
 from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
+from cloudckpt.manifest import CommitRecord, Manifest
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
 from cloudckpt.session import validate_gathered_sharding
 from cloudckpt.storage import WriteResult, open_checkpoint
+from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.strategies._zarr_format import ZARRAY, shard_chunk_indices
 from cloudckpt.strategies.torch import (
@@ -202,10 +210,11 @@ class Row:
     @property
     def received_per_rank(self) -> int:
         """Bytes a rank other than the coordinator receives in the all-gathers (each
-        pads every rank's payload to the longest): for zarr, the flat shards. The
-        sharding metadata, the commit records and DCP's plans and results are gathered
-        on the coordinator only (a rank receives its own global plan back)."""
-        gathered = ("flat",)
+        pads every rank's payload to the longest): for zarr, the flat shards; the commit's
+        tensor digests. The sharding metadata, the commit records and DCP's plans and
+        results are gathered on the coordinator only (a rank receives its own global
+        plan back)."""
+        gathered = ("flat", "commit_digest")
         return sum(self.ranks * self.bytes_per_rank.get(name, 0) for name in gathered)
 
     @property
@@ -253,15 +262,29 @@ def simulate(
     else:
         records = _torch_dist_steps(row, world, shards_of, pause_gc)
     with _paused(pause_gc):  # commit
-        records = _exchange(row, "merge", "commit", records)
-        manifest = _timed(
-            row, "merge", lambda: build_manifest(records, CheckpointingConfig(backend))
-        )
-        row.manifest_bytes = len(_timed(row, "merge", manifest.to_json))
-        records.clear()
+        manifest = merge(row, records, backend)
     row.objects = len(manifest.objects)
     row.artifacts["manifest"] = manifest
     return row
+
+
+def merge(row: Row, records: list[Any], backend: str) -> Manifest:
+    """``commit`` for every rank's ``(write results, tensor entries, common keys)``
+    (the common keys from the coordinator only, as a save reports them): the ranks'
+    records and digests (not timed), then the coordinator's step (timed)."""
+    local = [
+        CommitRecord.of(results, tensors, keys if rank == COORDINATOR else ())
+        for rank, (results, tensors, keys) in enumerate(records)
+    ]
+    digests = _exchange(row, "merge", "commit_digest", [r.digest for r in local])
+    sent = [r if sends_tensors(digests, i) else r.without_tensors() for i, r in enumerate(local)]
+    row.bytes_per_rank["commit_mean"] = sum(len(pickle.dumps(r)) for r in sent) // len(sent)
+    local.clear()
+    gathered = _exchange(row, "merge", "commit", sent)
+    sent.clear()
+    manifest = _timed(row, "merge", lambda: build_manifest(gathered, CheckpointingConfig(backend)))
+    row.manifest_bytes = len(_timed(row, "merge", manifest.to_json))
+    return manifest
 
 
 def _paused(pause_gc: bool) -> contextlib.AbstractContextManager[None]:
@@ -368,7 +391,12 @@ def zarr_writes(
 
 
 def _result(path: str, size: int) -> WriteResult:
-    return WriteResult(path, size, zlib.crc32(path.encode()))
+    """A write result with a made-up CRC (and block CRCs when larger than one block)."""
+    crc = zlib.crc32(path.encode())
+    blocks = None
+    if size > BLOCK_SIZE:
+        blocks = BlockCrcs.of(BLOCK_SIZE, (crc ^ k for k in range(block_count(size, BLOCK_SIZE))))
+    return WriteResult(path, size, crc, blocks)
 
 
 # -- torch_dist --------------------------------------------------------------------------------

@@ -38,9 +38,10 @@ from cloudckpt.manifest import (
     CLAIM_FNAME,
     MANIFEST_FNAME,
     MANIFEST_VERSION,
+    CommitRecord,
     Manifest,
     TensorEntry,
-    merge_entries,
+    merge_records,
 )
 from cloudckpt.storage import CheckpointStorage, WriteResult, crc32c
 
@@ -303,8 +304,10 @@ def commit(
     claimed: WriteResult | None = None,
 ) -> Manifest | None:
     """Gather every rank's write results on the coordinator (the only rank that needs
-    them), which writes ``manifest.json``
-    (create-only) and then ``metadata.json``. Collective.
+    them), which writes ``manifest.json`` (create-only) and then ``metadata.json``.
+    Collective: an all-gather of each rank's 16-byte tensor digest (ranks with equal
+    tensor entries send them once), then a gather of each rank's
+    :class:`~cloudckpt.manifest.CommitRecord` on the coordinator.
 
     Args:
         results: this rank's write results.
@@ -322,11 +325,17 @@ def commit(
     """
     from cloudckpt import dist  # noqa: PLC0415 - torch only for saves, not for ls/verify/gc
 
-    entries = list(results)
     manifest = None
     with dist.paused_gc():  # every rank's records, unpickled and merged by the coordinator
-        # only the coordinator merges them: the other ranks send, and receive nothing
-        gathered = dist.gather_object((entries, list(tensors), list(common_keys)), COORDINATOR)
+        record = CommitRecord.of(results, tensors, common_keys)
+        # ranks with equal tensor entries (replicas) send them once: the lowest of them
+        digests = dist.all_gather_object(
+            record.digest, what=f"committing checkpoint {storage.uri!r}: tensor digests"
+        )
+        gathered = dist.gather_object(
+            record if sends_tensors(digests, dist.get_rank()) else record.without_tensors(),
+            COORDINATOR,
+        )  # only the coordinator merges them: the other ranks send, and receive nothing
         with dist.agree(f"committing checkpoint {storage.uri!r}"):
             if gathered is not None:  # the coordinator
                 _check_claim(storage, claimed)
@@ -335,21 +344,24 @@ def commit(
     return manifest
 
 
-GatheredCommit = Sequence[tuple[Sequence[WriteResult], Sequence[TensorEntry], Sequence[str]]]
-"""What :func:`commit` gathers: per rank, its write results, tensors and common keys."""
+def sends_tensors(digests: Sequence[bytes], rank: int) -> bool:
+    """Whether ``rank`` sends its tensor entries: it is the lowest rank with its digest
+    (``digests``: every rank's, indexed by rank)."""
+    return digests.index(digests[rank]) == rank
 
 
-def build_manifest(gathered: GatheredCommit, backends: CheckpointingConfig) -> Manifest:
-    """The coordinator's merge of every rank's commit record into the manifest (pure).
+def build_manifest(gathered: Sequence[CommitRecord], backends: CheckpointingConfig) -> Manifest:
+    """The coordinator's merge of every rank's commit record (indexed by rank) into the
+    manifest (pure).
 
     Raises:
         ManifestError: two ranks report different results for one object path.
     """
-    tensors = {t.key: t for _, rank_tensors, _ in gathered for t in rank_tensors}
+    objects, tensors, common_keys = merge_records(gathered)
     return Manifest(
-        objects=tuple(merge_entries(entries for entries, _, _ in gathered)),
-        tensors=tuple(tensors.values()),
-        common_keys=tuple(sorted({k for _, _, rank_keys in gathered for k in rank_keys})),
+        objects=tuple(objects),
+        tensors=tuple(tensors),
+        common_keys=tuple(common_keys),
         world_size=len(gathered),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         backends=asdict(backends),

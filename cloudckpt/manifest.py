@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
+from bisect import bisect_right
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
-from cloudckpt.errors import MalformedCheckpointError
+from cloudckpt.errors import CheckpointingException, MalformedCheckpointError
 from cloudckpt.storage.blocks import BlockCrcs
 from cloudckpt.storage.types import WriteResult
 
@@ -86,13 +89,14 @@ class Manifest:
     version: int = MANIFEST_VERSION
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "objects", tuple(sorted(self.objects, key=lambda e: e.path)))
-        object.__setattr__(self, "tensors", tuple(sorted(self.tensors, key=lambda t: t.key)))
+        object.__setattr__(self, "objects", tuple(sorted(self.objects, key=_PATH)))
+        object.__setattr__(self, "tensors", tuple(sorted(self.tensors, key=_KEY)))
         object.__setattr__(self, "common_keys", tuple(sorted(self.common_keys)))
-        counts = Counter(e.path for e in self.objects)
-        duplicates = sorted(p for p, n in counts.items() if n > 1)
-        if duplicates:
-            raise ManifestError(f"objects listed more than once: {duplicates[:10]}")
+        paths = list(map(_PATH, self.objects))
+        if len(set(paths)) == len(paths):  # the usual case, without counting
+            return
+        duplicates = sorted(p for p, n in Counter(paths).items() if n > 1)
+        raise ManifestError(f"objects listed more than once: {duplicates[:10]}")
 
     @property
     def total_size(self) -> int:
@@ -104,18 +108,23 @@ class Manifest:
         return {e.path: e for e in self.objects}
 
     def to_json(self) -> bytes:
-        """Canonical JSON: sorted keys, sorted entries, no whitespace variance."""
-        doc = {
-            "format": MANIFEST_FORMAT,
-            "version": self.version,
-            "created": self.created,
-            "world_size": self.world_size,
-            "backends": dict(self.backends),
-            "common_keys": list(self.common_keys),
-            "tensors": [_tensor_doc(t) for t in self.tensors],
-            "objects": [_entry_doc(e, self.version) for e in self.objects],
+        """Canonical JSON: sorted keys, sorted entries, no whitespace variance.
+
+        The bytes of ``json.dumps(doc, sort_keys=True, separators=(",", ":"))`` plus a
+        newline; the long lists (objects, tensors) are written entry by entry with the
+        encoder's own string escaping, a few times faster than the encoder's walk."""
+        members = {
+            "format": _dumps(MANIFEST_FORMAT),
+            "version": _dumps(self.version),
+            "created": _dumps(self.created),
+            "world_size": _dumps(self.world_size),
+            "backends": _dumps(dict(self.backends)),
+            "common_keys": _dumps(list(self.common_keys)),
+            "tensors": "[" + ",".join(map(_tensor_json, self.tensors)) + "]",
+            "objects": "[" + ",".join([_entry_json(e, self.version) for e in self.objects]) + "]",
         }
-        return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
+        body = ",".join(f"{_escape(key)}:{members[key]}" for key in sorted(members))
+        return ("{" + body + "}\n").encode()
 
     def digest(self) -> str:
         """SHA-256 of the canonical JSON, hex: one value naming this exact commit."""
@@ -153,11 +162,28 @@ class Manifest:
             raise ManifestError(f"{where} is malformed: {exc!r}") from exc
 
 
-def _entry_doc(entry: ManifestEntry, version: int) -> list[Any]:
-    doc: list[Any] = [entry.path, entry.size, entry.crc32c]
+_PATH = attrgetter("path")
+_KEY = attrgetter("key")
+_escape = json.encoder.encode_basestring_ascii  # json.dumps's own (C) escaping, ensure_ascii
+
+
+def _dumps(value: Any) -> str:
+    """The canonical JSON of one value (as a member of the manifest's document)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _ints(values: Iterable[int]) -> str:
+    """A JSON list of ints, as ``json.dumps`` writes it."""
+    return "[" + ",".join(map(str, map(int, values))) + "]"
+
+
+def _entry_json(entry: ManifestEntry, version: int) -> str:
+    """``[path, size, crc]``, or (version 2, with block CRCs) ``[..., block_size, b64]``."""
+    head = f"[{_escape(entry.path)},{int(entry.size)},{int(entry.crc32c)}"
     if entry.blocks is not None and version >= 2:
-        doc += [entry.blocks.block_size, entry.blocks.to_base64()]
-    return doc
+        blocks = entry.blocks
+        return f"{head},{int(blocks.block_size)},{_escape(blocks.to_base64())}]"
+    return head + "]"
 
 
 def _entry_from_doc(doc: list[Any], version: int) -> ManifestEntry:
@@ -179,11 +205,13 @@ def _entry_from_doc(doc: list[Any], version: int) -> ManifestEntry:
     return ManifestEntry(path, size, crc, blocks)
 
 
-def _tensor_doc(t: TensorEntry) -> dict[str, Any]:
-    doc: dict[str, Any] = {"key": t.key, "shape": list(t.global_shape), "dtype": t.dtype}
-    if t.chunks is not None:
-        doc["chunks"] = list(t.chunks)
-    return doc
+def _tensor_json(t: TensorEntry) -> str:
+    """``{"chunks": [...], "dtype": ..., "key": ..., "shape": [...]}`` (keys sorted;
+    no ``chunks`` when None)."""
+    tail = f'"dtype":{_escape(t.dtype)},"key":{_escape(t.key)},"shape":{_ints(t.global_shape)}}}'
+    if t.chunks is None:
+        return "{" + tail
+    return f'{{"chunks":{_ints(t.chunks)},{tail}'
 
 
 def _tensor_from_doc(doc: Mapping[str, Any]) -> TensorEntry:
@@ -224,3 +252,193 @@ def merge_entries(per_rank: Iterable[Iterable[ManifestEntry]]) -> list[ManifestE
                     f"(rank {rank} among them): {previous} vs {entry}"
                 )
     return list(merged.values())
+
+
+# -- the commit record: one rank's part of the manifest, as it travels ----------------------
+
+_INTS = "q"  # array typecode of sizes and CRCs in a commit record: signed 64-bit
+
+
+def tensors_text(tensors: Iterable[TensorEntry]) -> str:
+    """A rank's tensor entries as compact JSON, ``[[key, shape, dtype, chunks], ...]``:
+    equal lists give equal text on every rank (the digest compares them)."""
+    return json.dumps(
+        [
+            [t.key, list(t.global_shape), t.dtype, None if t.chunks is None else list(t.chunks)]
+            for t in tensors
+        ],
+        separators=(",", ":"),
+    )
+
+
+def tensors_digest(text: str) -> bytes:
+    """16 bytes naming a rank's :func:`tensors_text` (BLAKE2b: the same on every host)."""
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def _tensors_from_text(text: str) -> list[TensorEntry]:
+    return [
+        TensorEntry(key, tuple(shape), dtype, None if chunks is None else tuple(chunks))
+        for key, shape, dtype, chunks in json.loads(text)
+    ]
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What one rank sends the coordinator at the commit, in columns: its write results
+    (paths; sizes and CRCs as packed 64-bit ints; the block CRCs of the few objects that
+    have them, by position) and its tensor entries as :func:`tensors_text`. Ranks with
+    equal tensor entries (data-parallel replicas, and tensor-parallel ranks of one
+    stage) send the text once: the others send only its digest (``tensors`` None).
+
+    Attributes:
+        paths: the paths of this rank's write results, in order.
+        sizes: their sizes, ``array("q")`` bytes.
+        crcs: their CRC-32Cs, ``array("q")`` bytes.
+        blocks: ``(position, block_size, packed block CRCs)`` of the results with blocks.
+        digest: :func:`tensors_digest` of this rank's tensor entries.
+        tensors: their :func:`tensors_text`, or None when another rank sends the same.
+        common_keys: the common state's key paths this rank reports.
+    """
+
+    paths: tuple[str, ...]
+    sizes: bytes
+    crcs: bytes
+    blocks: tuple[tuple[int, int, bytes], ...]
+    digest: bytes
+    tensors: str | None
+    common_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        results: Iterable[ManifestEntry],
+        tensors: Iterable[TensorEntry] = (),
+        common_keys: Iterable[str] = (),
+    ) -> CommitRecord:
+        """The record of a rank's write results, tensor entries and common keys (with its
+        tensor text: :meth:`without_tensors` drops it)."""
+        results = list(results)
+        text = tensors_text(tensors)
+        return cls(
+            paths=tuple(r.path for r in results),
+            sizes=array(_INTS, [r.size for r in results]).tobytes(),
+            crcs=array(_INTS, [r.crc32c for r in results]).tobytes(),
+            blocks=tuple(
+                (i, r.blocks.block_size, r.blocks.packed)
+                for i, r in enumerate(results)
+                if r.blocks is not None
+            ),
+            digest=tensors_digest(text),
+            tensors=text,
+            common_keys=tuple(common_keys),
+        )
+
+    def without_tensors(self) -> CommitRecord:
+        """This record with its tensor entries named by their digest only."""
+        return CommitRecord(
+            self.paths, self.sizes, self.crcs, self.blocks, self.digest, None, self.common_keys
+        )
+
+    def write_results(self) -> list[ManifestEntry]:
+        """The write results this record holds, in order."""
+        return _Columns([self]).entries(range(len(self.paths)))
+
+    def __reduce__(self) -> tuple[type[CommitRecord], tuple[Any, ...]]:
+        # by its fields, as WriteResult: the coordinator unpickles one per rank
+        return CommitRecord, (
+            self.paths,
+            self.sizes,
+            self.crcs,
+            self.blocks,
+            self.digest,
+            self.tensors,
+            self.common_keys,
+        )
+
+
+class _Columns:
+    """Every rank's write results, concatenated (positions across all records)."""
+
+    def __init__(self, records: Sequence[CommitRecord]) -> None:
+        self.paths: list[str] = []
+        sizes, crcs = array(_INTS), array(_INTS)
+        self.blocks: dict[int, BlockCrcs] = {}
+        self.starts: list[int] = []  # the position of each rank's first result
+        for record in records:
+            base = len(self.paths)
+            self.starts.append(base)
+            self.paths += record.paths
+            sizes.frombytes(record.sizes)
+            crcs.frombytes(record.crcs)
+            for i, block_size, packed in record.blocks:
+                self.blocks[base + i] = BlockCrcs(block_size, packed)
+        if len(sizes) != len(self.paths) or len(crcs) != len(self.paths):
+            raise CheckpointingException(
+                f"commit records hold {len(self.paths)} paths but {len(sizes)} sizes and "
+                f"{len(crcs)} CRCs"
+            )
+        self.sizes, self.crcs = sizes.tolist(), crcs.tolist()
+
+    def entry(self, i: int) -> ManifestEntry:
+        return ManifestEntry(self.paths[i], self.sizes[i], self.crcs[i], self.blocks.get(i))
+
+    def entries(self, positions: Iterable[int]) -> list[ManifestEntry]:
+        paths, sizes, crcs, blocks = self.paths, self.sizes, self.crcs, self.blocks
+        if not blocks:
+            return [ManifestEntry(paths[i], sizes[i], crcs[i]) for i in positions]
+        return [ManifestEntry(paths[i], sizes[i], crcs[i], blocks.get(i)) for i in positions]
+
+    def same(self, i: int, j: int) -> bool:
+        return (self.sizes[i], self.crcs[i], self.blocks.get(i)) == (
+            self.sizes[j],
+            self.crcs[j],
+            self.blocks.get(j),
+        )
+
+    def merged(self) -> list[ManifestEntry]:
+        """One entry per path, sorted by path (as :func:`merge_entries`, same errors)."""
+        paths = self.paths
+        # path -> its first position (the last assignment of each key wins)
+        first = dict(zip(reversed(paths), range(len(paths) - 1, -1, -1), strict=True))
+        if len(first) < len(paths):
+            self._check_duplicates(first)
+        return self.entries(first[p] for p in sorted(first))
+
+    def _check_duplicates(self, first: dict[str, int]) -> None:
+        for i, path in enumerate(self.paths):
+            j = first[path]
+            if j != i and not self.same(i, j):
+                raise ManifestError(
+                    f"object {path!r} was written twice with different contents "
+                    f"(rank {bisect_right(self.starts, i) - 1} among them): "
+                    f"{self.entry(j)} vs {self.entry(i)}"
+                )
+
+
+def merge_records(
+    records: Sequence[CommitRecord],
+) -> tuple[list[ManifestEntry], list[TensorEntry], list[str]]:
+    """The coordinator's merge of every rank's record (indexed by rank): the objects
+    (sorted by path), the tensors (by key: where ranks differ, the highest rank's entry)
+    and the common keys (sorted), as :func:`merge_entries` and a dict by key would give.
+
+    Raises:
+        ManifestError: two ranks report different results for one object path.
+    """
+    objects = _Columns(records).merged()
+    texts: dict[bytes, str] = {}
+    last: dict[bytes, int] = {}  # digest -> the highest rank with it
+    for rank, record in enumerate(records):
+        if record.tensors is not None:
+            texts.setdefault(record.digest, record.tensors)
+        last[record.digest] = rank
+    tensors: dict[str, TensorEntry] = {}
+    for digest in sorted(last, key=last.__getitem__):  # the highest ranks' entries last
+        if digest not in texts:
+            raise CheckpointingException(
+                f"no rank sent the tensor entries of digest {digest.hex()} (rank {last[digest]})"
+            )
+        tensors.update((t.key, t) for t in _tensors_from_text(texts[digest]))
+    common = sorted({k for record in records for k in record.common_keys})
+    return objects, list(tensors.values()), common
