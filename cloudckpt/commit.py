@@ -7,7 +7,11 @@ committed by two small create-once writes after all data is stored.
 2. Every rank uploads its objects; each write returns (path, size, crc32c).
 3. :func:`commit` gathers the write results on the coordinator over torch.distributed
    (nothing is read back from the store), which creates ``manifest.json`` create-only,
-   then writes ``metadata.json`` (Megatron-Core's marker, exactly its keys) last.
+   then writes ``metadata.json`` (Megatron-Core's marker, exactly its keys) last. Each
+   rank sends one :class:`~cloudckpt.manifest.CommitRecord` (its results in columns);
+   ranks with equal tensor entries (replicas) send them once, elected by an all-gather
+   of their 16-byte digests, so the coordinator's merge grows with the objects and the
+   distinct tensors, not with ranks x tensors.
 
 :func:`read_commit_state` tells committed, uncommitted and foreign (Megatron-Core or
 PyTorch-written: ``metadata.json`` without a claim or manifest) checkpoints apart.

@@ -21,7 +21,7 @@ import json
 from array import array
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -121,7 +121,7 @@ class Manifest:
             "backends": _dumps(dict(self.backends)),
             "common_keys": _dumps(list(self.common_keys)),
             "tensors": "[" + ",".join(map(_tensor_json, self.tensors)) + "]",
-            "objects": "[" + ",".join([_entry_json(e, self.version) for e in self.objects]) + "]",
+            "objects": "[" + ",".join(_entries_json(self.objects, self.version)) + "]",
         }
         body = ",".join(f"{_escape(key)}:{members[key]}" for key in sorted(members))
         return ("{" + body + "}\n").encode()
@@ -177,13 +177,18 @@ def _ints(values: Iterable[int]) -> str:
     return "[" + ",".join(map(str, map(int, values))) + "]"
 
 
-def _entry_json(entry: ManifestEntry, version: int) -> str:
-    """``[path, size, crc]``, or (version 2, with block CRCs) ``[..., block_size, b64]``."""
-    head = f"[{_escape(entry.path)},{int(entry.size)},{int(entry.crc32c)}"
-    if entry.blocks is not None and version >= 2:
-        blocks = entry.blocks
-        return f"{head},{int(blocks.block_size)},{_escape(blocks.to_base64())}]"
-    return head + "]"
+def _entries_json(entries: Sequence[ManifestEntry], version: int) -> list[str]:
+    """Each entry's ``[path, size, crc]``, or (version 2, with block CRCs)
+    ``[path, size, crc, block_size, base64 of the block CRCs]``."""
+    if version < 2:
+        return [f"[{_escape(e.path)},{e.size},{e.crc32c}]" for e in entries]
+    return [
+        f"[{_escape(e.path)},{e.size},{e.crc32c}]"
+        if e.blocks is None
+        else f"[{_escape(e.path)},{e.size},{e.crc32c},{e.blocks.block_size},"
+        f"{_escape(e.blocks.to_base64())}]"
+        for e in entries
+    ]
 
 
 def _entry_from_doc(doc: list[Any], version: int) -> ManifestEntry:
@@ -383,11 +388,16 @@ class _Columns:
     def entry(self, i: int) -> ManifestEntry:
         return ManifestEntry(self.paths[i], self.sizes[i], self.crcs[i], self.blocks.get(i))
 
-    def entries(self, positions: Iterable[int]) -> list[ManifestEntry]:
-        paths, sizes, crcs, blocks = self.paths, self.sizes, self.crcs, self.blocks
-        if not blocks:
-            return [ManifestEntry(paths[i], sizes[i], crcs[i]) for i in positions]
-        return [ManifestEntry(paths[i], sizes[i], crcs[i], blocks.get(i)) for i in positions]
+    def entries(self, positions: Sequence[int]) -> list[ManifestEntry]:
+        """The entries at ``positions``, in that order (built by ``map``: no Python loop)."""
+        at: list[Callable[[int], Any]] = [
+            self.paths.__getitem__,
+            self.sizes.__getitem__,
+            self.crcs.__getitem__,
+        ]
+        if self.blocks:
+            at.append(self.blocks.get)
+        return list(map(ManifestEntry, *(map(get, positions) for get in at)))
 
     def same(self, i: int, j: int) -> bool:
         return (self.sizes[i], self.crcs[i], self.blocks.get(i)) == (
@@ -403,7 +413,7 @@ class _Columns:
         first = dict(zip(reversed(paths), range(len(paths) - 1, -1, -1), strict=True))
         if len(first) < len(paths):
             self._check_duplicates(first)
-        return self.entries(first[p] for p in sorted(first))
+        return self.entries(sorted(first.values(), key=paths.__getitem__))
 
     def _check_duplicates(self, first: dict[str, int]) -> None:
         for i, path in enumerate(self.paths):
