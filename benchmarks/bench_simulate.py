@@ -25,11 +25,11 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
   and writer (``create_global_plan``, ``prepare_global_plan``) on every rank's local plan,
   then ``finish`` (``.metadata`` from every rank's item results, into ``memory://``);
 * ``merge``: ``commit``'s coordinator step: unpickling every rank's tensor digest (the
-  all-gather that elects, among ranks with equal tensor entries, the one that sends them)
-  and every rank's ``CommitRecord`` (write results in columns, tensor entries from the
-  elected ranks only; gathered on the coordinator only), ``build_manifest`` on them, and
+  all-gather that tells each rank which piece of the tensor entries it shares with others
+  it sends) and every rank's ``CommitRecord`` (write results in columns, a piece of the
+  tensor entries; gathered on the coordinator only), ``build_manifest`` on them, and
   the manifest's canonical JSON. Each rank's own step (``CommitRecord.of``, its digest,
-  ``sends_tensors``) is not timed. Objects larger than one block carry (made-up) block
+  ``tensor_piece``) is not timed. Objects larger than one block carry (made-up) block
   CRCs, as real write results do.
 
 Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
@@ -38,8 +38,9 @@ microseconds per (rank x tensor) of their total (constant when the steps grow li
 the pickled bytes one rank sends in each exchange (validation metadata, flat-shard
 metadata or DCP local plan and item results, commit record), and the bytes a rank
 other than the coordinator receives (the all-gathers: ``recv MB/rank``). With ``--json``,
-``bytes_per_rank`` also holds ``commit_mean`` (the mean record: the coordinator receives
-ranks x that) and ``commit_digest`` (the all-gathered digest).
+``bytes_per_rank`` also holds ``commit_mean`` (the mean record; the gather pads every
+record to the longest, ``commit``, so the coordinator receives ranks x that) and
+``commit_digest`` (the all-gathered digest).
 Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
 one core's time for what the coordinator
 does, not a distributed run; on a shared machine they are provisional.
@@ -68,7 +69,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
-from cloudckpt.commit import COORDINATOR, build_manifest, sends_tensors
+from cloudckpt.commit import COORDINATOR, build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
 from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
@@ -277,7 +278,7 @@ def merge(row: Row, records: list[Any], backend: str) -> Manifest:
         for rank, (results, tensors, keys) in enumerate(records)
     ]
     digests = _exchange(row, "merge", "commit_digest", [r.digest for r in local])
-    sent = [r if sends_tensors(digests, i) else r.without_tensors() for i, r in enumerate(local)]
+    sent = [r.piece(*tensor_piece(digests, i)) for i, r in enumerate(local)]
     row.bytes_per_rank["commit_mean"] = sum(len(pickle.dumps(r)) for r in sent) // len(sent)
     local.clear()
     gathered = _exchange(row, "merge", "commit", sent)

@@ -9,9 +9,9 @@ committed by two small create-once writes after all data is stored.
    (nothing is read back from the store), which creates ``manifest.json`` create-only,
    then writes ``metadata.json`` (Megatron-Core's marker, exactly its keys) last. Each
    rank sends one :class:`~cloudckpt.manifest.CommitRecord` (its results in columns);
-   ranks with equal tensor entries (replicas) send them once, elected by an all-gather
-   of their 16-byte digests, so the coordinator's merge grows with the objects and the
-   distinct tensors, not with ranks x tensors.
+   ranks with equal tensor entries (replicas) send them once, a piece each, told
+   apart by an all-gather of their 16-byte digests, so the coordinator's merge grows
+   with the objects and the distinct tensors, not with ranks x tensors.
 
 :func:`read_commit_state` tells committed, uncommitted and foreign (Megatron-Core or
 PyTorch-written: ``metadata.json`` without a claim or manifest) checkpoints apart.
@@ -310,7 +310,7 @@ def commit(
     """Gather every rank's write results on the coordinator (the only rank that needs
     them), which writes ``manifest.json`` (create-only) and then ``metadata.json``.
     Collective: an all-gather of each rank's 16-byte tensor digest (ranks with equal
-    tensor entries send them once), then a gather of each rank's
+    tensor entries send them once, a piece each), then a gather of each rank's
     :class:`~cloudckpt.manifest.CommitRecord` on the coordinator.
 
     Args:
@@ -332,14 +332,13 @@ def commit(
     manifest = None
     with dist.paused_gc():  # every rank's records, unpickled and merged by the coordinator
         record = CommitRecord.of(results, tensors, common_keys)
-        # ranks with equal tensor entries (replicas) send them once: the lowest of them
+        # ranks with equal tensor entries (replicas) send them once, a piece each
         digests = dist.all_gather_object(
             record.digest, what=f"committing checkpoint {storage.uri!r}: tensor digests"
         )
-        gathered = dist.gather_object(
-            record if sends_tensors(digests, dist.get_rank()) else record.without_tensors(),
-            COORDINATOR,
-        )  # only the coordinator merges them: the other ranks send, and receive nothing
+        record = record.piece(*tensor_piece(digests, dist.get_rank()))
+        # only the coordinator merges them: the other ranks send, and receive nothing
+        gathered = dist.gather_object(record, COORDINATOR)
         with dist.agree(f"committing checkpoint {storage.uri!r}"):
             if gathered is not None:  # the coordinator
                 _check_claim(storage, claimed)
@@ -348,10 +347,11 @@ def commit(
     return manifest
 
 
-def sends_tensors(digests: Sequence[bytes], rank: int) -> bool:
-    """Whether ``rank`` sends its tensor entries: it is the lowest rank with its digest
-    (``digests``: every rank's, indexed by rank)."""
-    return digests.index(digests[rank]) == rank
+def tensor_piece(digests: Sequence[bytes], rank: int) -> tuple[int, int]:
+    """Which piece of its tensor text ``rank`` sends: ``(index, count)``, its place among
+    the ranks with its digest and their number (``digests``: every rank's, by rank)."""
+    mine = digests[rank]
+    return list(digests[:rank]).count(mine), list(digests).count(mine)
 
 
 def build_manifest(gathered: Sequence[CommitRecord], backends: CheckpointingConfig) -> Manifest:

@@ -294,7 +294,9 @@ class CommitRecord:
     (paths; sizes and CRCs as packed 64-bit ints; the block CRCs of the few objects that
     have them, by position) and its tensor entries as :func:`tensors_text`. Ranks with
     equal tensor entries (data-parallel replicas, and tensor-parallel ranks of one
-    stage) send the text once: the others send only its digest (``tensors`` None).
+    stage) each send one piece of that text (:meth:`piece`): the coordinator joins the
+    pieces of each digest in rank order, so no rank's record carries all of it (the
+    gather pads every record to the longest).
 
     Attributes:
         paths: the paths of this rank's write results, in order.
@@ -302,7 +304,8 @@ class CommitRecord:
         crcs: their CRC-32Cs, ``array("q")`` bytes.
         blocks: ``(position, block_size, packed block CRCs)`` of the results with blocks.
         digest: :func:`tensors_digest` of this rank's tensor entries.
-        tensors: their :func:`tensors_text`, or None when another rank sends the same.
+        tensors: this rank's piece of their :func:`tensors_text` (all of it from
+            :meth:`of`).
         common_keys: the common state's key paths this rank reports.
     """
 
@@ -311,7 +314,7 @@ class CommitRecord:
     crcs: bytes
     blocks: tuple[tuple[int, int, bytes], ...]
     digest: bytes
-    tensors: str | None
+    tensors: str
     common_keys: tuple[str, ...] = ()
 
     @classmethod
@@ -321,8 +324,8 @@ class CommitRecord:
         tensors: Iterable[TensorEntry] = (),
         common_keys: Iterable[str] = (),
     ) -> CommitRecord:
-        """The record of a rank's write results, tensor entries and common keys (with its
-        tensor text: :meth:`without_tensors` drops it)."""
+        """The record of a rank's write results, tensor entries and common keys, with
+        all of its tensor text (see :meth:`piece`)."""
         results = list(results)
         text = tensors_text(tensors)
         return cls(
@@ -339,10 +342,13 @@ class CommitRecord:
             common_keys=tuple(common_keys),
         )
 
-    def without_tensors(self) -> CommitRecord:
-        """This record with its tensor entries named by their digest only."""
+    def piece(self, index: int, count: int) -> CommitRecord:
+        """This record with piece ``index`` of ``count`` (about equal) of its tensor text:
+        what the ``index``-th of ``count`` ranks with this digest sends."""
+        text = self.tensors
+        cut = text[len(text) * index // count : len(text) * (index + 1) // count]
         return CommitRecord(
-            self.paths, self.sizes, self.crcs, self.blocks, self.digest, None, self.common_keys
+            self.paths, self.sizes, self.crcs, self.blocks, self.digest, cut, self.common_keys
         )
 
     def write_results(self) -> list[ManifestEntry]:
@@ -429,26 +435,30 @@ class _Columns:
 def merge_records(
     records: Sequence[CommitRecord],
 ) -> tuple[list[ManifestEntry], list[TensorEntry], list[str]]:
-    """The coordinator's merge of every rank's record (indexed by rank): the objects
+    """The coordinator's merge of every rank's record (indexed by rank; the tensor text
+    in pieces, :meth:`CommitRecord.piece`): the objects
     (sorted by path), the tensors (by key: where ranks differ, the highest rank's entry)
     and the common keys (sorted), as :func:`merge_entries` and a dict by key would give.
 
     Raises:
         ManifestError: two ranks report different results for one object path.
+        CheckpointingException: the pieces of a tensor text do not make up its digest.
     """
     objects = _Columns(records).merged()
-    texts: dict[bytes, str] = {}
+    pieces: dict[bytes, list[str]] = {}
     last: dict[bytes, int] = {}  # digest -> the highest rank with it
     for rank, record in enumerate(records):
-        if record.tensors is not None:
-            texts.setdefault(record.digest, record.tensors)
+        pieces.setdefault(record.digest, []).append(record.tensors)
         last[record.digest] = rank
     tensors: dict[str, TensorEntry] = {}
     for digest in sorted(last, key=last.__getitem__):  # the highest ranks' entries last
-        if digest not in texts:
+        text = "".join(pieces[digest])
+        if tensors_digest(text) != digest:
             raise CheckpointingException(
-                f"no rank sent the tensor entries of digest {digest.hex()} (rank {last[digest]})"
+                f"the tensor entries of digest {digest.hex()}, joined from the pieces of "
+                f"{len(pieces[digest])} ranks (the last rank {last[digest]}), do not match "
+                "their digest"
             )
-        tensors.update((t.key, t) for t in _tensors_from_text(texts[digest]))
+        tensors.update((t.key, t) for t in _tensors_from_text(text))
     common = sorted({k for record in records for k in record.common_keys})
     return objects, list(tensors.values()), common

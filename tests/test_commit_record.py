@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cloudckpt import commit as commit_mod
-from cloudckpt.commit import build_manifest, sends_tensors
+from cloudckpt.commit import build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.manifest import (
@@ -75,11 +75,11 @@ def reference_json(manifest: Manifest) -> bytes:
 
 
 def records_of(gathered: Sequence[OldRecord]) -> list[CommitRecord]:
-    """What the coordinator gathers: each rank's record, tensor text from the elected
-    ranks only, through pickle (as the gather sends them)."""
+    """What the coordinator gathers: each rank's record with its piece of the tensor
+    text, through pickle (as the gather sends them)."""
     local = [CommitRecord.of(*rank_record) for rank_record in gathered]
     digests = [r.digest for r in local]
-    sent = [r if sends_tensors(digests, i) else r.without_tensors() for i, r in enumerate(local)]
+    sent = [r.piece(*tensor_piece(digests, i)) for i, r in enumerate(local)]
     return [pickle.loads(pickle.dumps(r)) for r in sent]
 
 
@@ -147,16 +147,22 @@ def test_merge_of_records_equals_the_merge_of_write_results(seed: int) -> None:
         assert record.write_results() == results
 
 
-def test_replicas_send_their_tensor_entries_once() -> None:
+def test_replicas_send_their_tensor_entries_once_in_pieces() -> None:
     same = [TensorEntry("w", (4, 2), "float32", (2, 2)), TensorEntry("b", (3,), "bfloat16")]
     other = [TensorEntry("v", (8,), "float32")]
     gathered: list[OldRecord] = [
         ([ManifestEntry(f"o{r}", 1, r)], list(tensors), [])
         for r, tensors in enumerate([same, same, other, same, other])
     ]
+    local = [CommitRecord.of(*rank_record) for rank_record in gathered]
+    digests = [r.digest for r in local]
+    assert len(set(digests)) == 2
+    assert [tensor_piece(digests, r) for r in range(5)] == [(0, 3), (1, 3), (0, 2), (2, 3), (1, 2)]
     records = records_of(gathered)
-    assert [r.tensors is not None for r in records] == [True, False, True, False, False]
-    assert len({r.digest for r in records}) == 2
+    full = {r.digest: r.tensors for r in local}
+    for digest, text in full.items():  # each rank a piece, together the whole text once
+        assert "".join(r.tensors for r in records if r.digest == digest) == text
+    assert max(len(r.tensors) for r in records) <= max(map(len, full.values())) // 2 + 1
     manifest = build_manifest(records, BACKENDS)
     assert [t.key for t in manifest.tensors] == ["b", "v", "w"]
     assert manifest.tensors[2] == TensorEntry("w", (4, 2), "float32", (2, 2))
@@ -199,10 +205,15 @@ def test_records_of_one_rank_with_one_path_twice() -> None:
         merge_records([clash])
 
 
-def test_a_digest_without_its_entries_is_refused() -> None:
-    record = CommitRecord.of([], [TensorEntry("w", (1,), "float32")]).without_tensors()
-    with pytest.raises(CheckpointingException, match="no rank sent the tensor entries"):
-        merge_records([record])
+def test_pieces_that_do_not_make_up_their_digest_are_refused() -> None:
+    record = CommitRecord.of([], [TensorEntry("w", (1,), "float32")])
+    with pytest.raises(CheckpointingException, match="do not match their digest"):
+        merge_records([record.piece(0, 2)])  # the other piece's rank is missing
+    with pytest.raises(CheckpointingException, match=r"2 ranks .* do not match"):
+        merge_records([record, record])  # the whole text from each: not pieces
+    assert merge_records([record.piece(0, 2), record.piece(1, 2)])[1] == [
+        TensorEntry("w", (1,), "float32")
+    ]
 
 
 def test_manifest_json_is_the_encoder_s_bytes_for_odd_strings() -> None:
