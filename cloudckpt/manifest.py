@@ -16,13 +16,16 @@ from one written by Megatron-Core or PyTorch (which never has one).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import zlib
 from array import array
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from operator import attrgetter
 from typing import Any
 
@@ -261,7 +264,7 @@ def merge_entries(per_rank: Iterable[Iterable[ManifestEntry]]) -> list[ManifestE
 
 # -- the commit record: one rank's part of the manifest, as it travels ----------------------
 
-_INTS = "q"  # array typecode of sizes and CRCs in a commit record: signed 64-bit
+_INTS = "q"  # array typecode of a commit record's sizes, CRCs and path lengths: 64-bit
 
 
 def tensors_text(tensors: Iterable[TensorEntry]) -> str:
@@ -291,17 +294,17 @@ def _tensors_from_text(text: str) -> list[TensorEntry]:
 @dataclass(frozen=True)
 class CommitRecord:
     """What one rank sends the coordinator at the commit, in columns: its write results
-    (paths; sizes and CRCs as packed 64-bit ints; the block CRCs of the few objects that
-    have them, by position) and its tensor entries as :func:`tensors_text`. Ranks with
-    equal tensor entries (data-parallel replicas, and tensor-parallel ranks of one
-    stage) each send one piece of that text (:meth:`piece`): the coordinator joins the
-    pieces of each digest in rank order, so no rank's record carries all of it (the
-    gather pads every record to the longest).
+    (paths, sizes and CRCs, compressed together; the block CRCs of the objects that have
+    them, by position) and its tensor entries as :func:`tensors_text`. Ranks with equal
+    tensor entries (data-parallel replicas, and tensor-parallel ranks of one stage) each
+    send one piece of that text (:meth:`piece`): the coordinator joins the pieces of each
+    digest in rank order. The gather pads every record to the longest, so no record
+    carries all of the text, and paths (long, alike) travel compressed.
 
     Attributes:
-        paths: the paths of this rank's write results, in order.
-        sizes: their sizes, ``array("q")`` bytes.
-        crcs: their CRC-32Cs, ``array("q")`` bytes.
+        count: how many write results.
+        columns: zlib of their sizes, CRC-32Cs and path lengths (``array("q")`` bytes,
+            ``count`` each) followed by their paths, joined (UTF-8).
         blocks: ``(position, block_size, packed block CRCs)`` of the results with blocks.
         digest: :func:`tensors_digest` of this rank's tensor entries.
         tensors: this rank's piece of their :func:`tensors_text` (all of it from
@@ -309,9 +312,8 @@ class CommitRecord:
         common_keys: the common state's key paths this rank reports.
     """
 
-    paths: tuple[str, ...]
-    sizes: bytes
-    crcs: bytes
+    count: int
+    columns: bytes
     blocks: tuple[tuple[int, int, bytes], ...]
     digest: bytes
     tensors: str
@@ -327,11 +329,14 @@ class CommitRecord:
         """The record of a rank's write results, tensor entries and common keys, with
         all of its tensor text (see :meth:`piece`)."""
         results = list(results)
+        paths = [r.path for r in results]
+        ints = array(_INTS, [r.size for r in results])
+        ints.extend([r.crc32c for r in results])
+        ints.extend(map(len, paths))
         text = tensors_text(tensors)
         return cls(
-            paths=tuple(r.path for r in results),
-            sizes=array(_INTS, [r.size for r in results]).tobytes(),
-            crcs=array(_INTS, [r.crc32c for r in results]).tobytes(),
+            count=len(results),
+            columns=zlib.compress(ints.tobytes() + _utf8("".join(paths)), 1),
             blocks=tuple(
                 (i, r.blocks.block_size, r.blocks.packed)
                 for i, r in enumerate(results)
@@ -347,20 +352,40 @@ class CommitRecord:
         what the ``index``-th of ``count`` ranks with this digest sends."""
         text = self.tensors
         cut = text[len(text) * index // count : len(text) * (index + 1) // count]
-        return CommitRecord(
-            self.paths, self.sizes, self.crcs, self.blocks, self.digest, cut, self.common_keys
-        )
+        return dataclasses.replace(self, tensors=cut)
+
+    def unpacked(self) -> tuple[list[str], list[int], list[int]]:
+        """The paths, sizes and CRC-32Cs of the write results.
+
+        Raises:
+            CheckpointingException: the columns are not what :meth:`of` packs.
+        """
+        n = self.count
+        try:
+            raw = zlib.decompress(self.columns)
+            ints = array(_INTS)
+            ints.frombytes(raw[: 3 * n * ints.itemsize])
+            text = raw[3 * n * ints.itemsize :].decode("utf-8", "surrogatepass")
+        except (zlib.error, ValueError) as exc:
+            raise CheckpointingException(f"a commit record's columns are malformed: {exc}") from exc
+        ends = list(accumulate(ints[2 * n :]))
+        if len(ints) != 3 * n or (ends[-1] if ends else 0) != len(text):
+            raise CheckpointingException(
+                f"a commit record's columns hold {len(ints)} ints and {len(text)} path "
+                f"characters for {n} results"
+            )
+        paths = list(map(text.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+        return paths, ints[:n].tolist(), ints[n : 2 * n].tolist()
 
     def write_results(self) -> list[ManifestEntry]:
         """The write results this record holds, in order."""
-        return _Columns([self]).entries(range(len(self.paths)))
+        return _Columns([self]).entries(range(self.count))
 
     def __reduce__(self) -> tuple[type[CommitRecord], tuple[Any, ...]]:
         # by its fields, as WriteResult: the coordinator unpickles one per rank
         return CommitRecord, (
-            self.paths,
-            self.sizes,
-            self.crcs,
+            self.count,
+            self.columns,
             self.blocks,
             self.digest,
             self.tensors,
@@ -368,28 +393,28 @@ class CommitRecord:
         )
 
 
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # any str, lone surrogates too
+
+
 class _Columns:
     """Every rank's write results, concatenated (positions across all records)."""
 
     def __init__(self, records: Sequence[CommitRecord]) -> None:
         self.paths: list[str] = []
-        sizes, crcs = array(_INTS), array(_INTS)
+        self.sizes: list[int] = []
+        self.crcs: list[int] = []
         self.blocks: dict[int, BlockCrcs] = {}
         self.starts: list[int] = []  # the position of each rank's first result
         for record in records:
             base = len(self.paths)
             self.starts.append(base)
-            self.paths += record.paths
-            sizes.frombytes(record.sizes)
-            crcs.frombytes(record.crcs)
+            paths, sizes, crcs = record.unpacked()
+            self.paths += paths
+            self.sizes += sizes
+            self.crcs += crcs
             for i, block_size, packed in record.blocks:
                 self.blocks[base + i] = BlockCrcs(block_size, packed)
-        if len(sizes) != len(self.paths) or len(crcs) != len(self.paths):
-            raise CheckpointingException(
-                f"commit records hold {len(self.paths)} paths but {len(sizes)} sizes and "
-                f"{len(crcs)} CRCs"
-            )
-        self.sizes, self.crcs = sizes.tolist(), crcs.tolist()
 
     def entry(self, i: int) -> ManifestEntry:
         return ManifestEntry(self.paths[i], self.sizes[i], self.crcs[i], self.blocks.get(i))

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import pickle
 import random
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -83,7 +84,7 @@ def records_of(gathered: Sequence[OldRecord]) -> list[CommitRecord]:
     return [pickle.loads(pickle.dumps(r)) for r in sent]
 
 
-_ODD = ["", "é", "\\", '"', "\n", "\x00", "☃", "/", " ", "\U0001f600"]
+_ODD = ["", "é", "\\", '"', "\n", "\x00", "☃", "/", " ", "\U0001f600", "\ud800"]
 
 
 def _path(rng: random.Random) -> str:
@@ -195,6 +196,18 @@ def test_conflicting_results_raise_the_same_error_as_before(seed: int) -> None:
         build_manifest(records_of(gathered), BACKENDS)
     assert str(new.value) == str(old.value)
     assert f"(rank {second} among them)" in str(new.value)
+
+
+def test_malformed_columns_are_refused() -> None:
+    record = CommitRecord.of([ManifestEntry("a/0", 1, 2), ManifestEntry("b", 3, 4)])
+    assert record.unpacked() == (["a/0", "b"], [1, 3], [2, 4])
+    for bad in (
+        dataclasses.replace(record, count=3),
+        dataclasses.replace(record, columns=record.columns[:-2]),
+        dataclasses.replace(record, columns=zlib.compress(b"\x00" * 48 + b"a/0")),
+    ):
+        with pytest.raises(CheckpointingException, match="commit record's columns"):
+            merge_records([bad])
 
 
 def test_records_of_one_rank_with_one_path_twice() -> None:
