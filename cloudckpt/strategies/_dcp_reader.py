@@ -318,14 +318,22 @@ class DcpCheckpoint:
     def _read_direct(
         self, reads: list[tuple[ShardedTensor, ReadRequest]]
     ) -> dict[int, torch.Tensor]:
-        """Read each chunk's elements straight into a new tensor: one copy, checked
-        against the block CRC-32Cs; no ``torch.load``, no intermediate bytes."""
-        tensors = {id(sh): torch.empty(chunk_shape(sh), dtype=sh.dtype) for sh, _ in reads}
+        """Read each chunk's elements straight into its tensor: one copy, checked
+        against the block CRC-32Cs; no ``torch.load``, no intermediate bytes. The
+        tensor is the request's own ``data`` where that can hold the chunk as it is
+        (loaded in place, as Megatron-Core's torch_dist load and the fully parallel
+        exchange do: no second allocation, and memory the caller already touched
+        takes no page faults), else a new one (see :func:`_in_place_targets`)."""
+        targets = _in_place_targets([sh for sh, _ in reads])
+        tensors = {id(sh): _target_or_new(sh, targets) for sh, _ in reads}
         if reads:
             self.storage.read_into_many(
                 [(request, tensor_bytes(tensors[id(sh)])) for sh, request in reads]
             )
-        return {id(sh): _placed(sh, tensors[id(sh)]) for sh, _ in reads}
+        return {
+            id(sh): tensors[id(sh)] if id(sh) in targets else _placed(sh, tensors[id(sh)])
+            for sh, _ in reads
+        }
 
     def _read_regions(
         self, batch: list[tuple[ShardedTensor, list[_Source]]]
@@ -426,6 +434,49 @@ def _regions(batch: list[tuple[ShardedTensor, list[_Source]]]) -> list[tuple[_So
                 known = regions.get(source)
                 regions[source] = needed if known is None else bounding(known, needed)
     return list(regions.items())
+
+
+def _in_place_target(sh: ShardedTensor) -> torch.Tensor | None:
+    """``sh``'s own ``data`` when a chunk can be read straight into it: a plain CPU
+    tensor of the shard's dtype and local shape, contiguous, of a whole chunk (no
+    flattened range); None otherwise (a new tensor is allocated)."""
+    data = sh.data
+    if (
+        data is None
+        or type(data) not in (torch.Tensor, torch.nn.Parameter)
+        or data.device.type != "cpu"
+        or data.layout != torch.strided
+        or data.dtype != sh.dtype
+        or sh.flattened_range is not None
+        or tuple(data.shape) != tuple(sh.local_shape)
+        or not data.is_contiguous()
+        or data.numel() == 0
+    ):
+        return None
+    return data.detach()
+
+
+def _in_place_targets(shards: Sequence[ShardedTensor]) -> dict[int, torch.Tensor]:
+    """``{id(sh): tensor}`` of the shards read in place (:func:`_in_place_target`),
+    keeping only tensors whose memory no other target's overlaps (two requests that
+    share memory each get a new tensor, so neither overwrites the other)."""
+    found = {id(sh): t for sh in shards if (t := _in_place_target(sh)) is not None}
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), key) for key, t in found.items()
+    )
+    shared: set[int] = set()
+    end, last = -1, None
+    for start, stop, key in spans:
+        if start < end and last is not None:
+            shared.update((key, last))
+        if stop > end:
+            end, last = stop, key
+    return {key: t for key, t in found.items() if key not in shared}
+
+
+def _target_or_new(sh: ShardedTensor, targets: dict[int, torch.Tensor]) -> torch.Tensor:
+    target = targets.get(id(sh))
+    return target if target is not None else torch.empty(chunk_shape(sh), dtype=sh.dtype)
 
 
 def _placed(sh: ShardedTensor, chunk: torch.Tensor) -> torch.Tensor:
