@@ -3,12 +3,15 @@ memory (``ShardedTensor.data``), as Megatron-Core's torch_dist load and the full
 exchange do, where that memory can hold the chunk as it is: a plain CPU tensor of the
 shard's dtype and local shape, contiguous, whole (no flattened range), sharing memory with
 no other requested tensor. Otherwise a new tensor is allocated; the values are exact either
-way."""
+way. A default load makes two collectives (4 real gloo processes)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 import cloudckpt
@@ -75,3 +78,40 @@ def test_a_parameter_is_filled_without_autograd(tmp_path: Path) -> None:
     loaded = cloudckpt.load({"p": ShardedTensor.from_rank_offsets("p", param)}, uri)
     assert torch.equal(param.detach(), saved["p"])
     assert not loaded["p"].requires_grad and param.requires_grad
+
+
+# -- collectives of a load (4 real gloo processes) -------------------------------------------
+
+
+def _count_collectives(rank: int, world: int, root: str, backend: str) -> dict[str, Any]:
+    """Save a TP2 x DP2 state, then count cloudckpt's collectives (check-ins) of a
+    default load of it, and check what was loaded."""
+    from cloudckpt import dist_guard  # noqa: PLC0415
+    from tests.test_multirank import check_tp, tp_state  # noqa: PLC0415
+
+    uri = os.path.join(root, f"ckpt-{backend}")
+    cloudckpt.save(tp_state(rank, tp=2), uri, sharded_strategy=(backend, 1))
+    names: list[str] = []
+    original = dist_guard.check_in
+
+    def counting(what: str, group: Any = None) -> None:
+        names.append(what)
+        original(what, group)
+
+    dist_guard.check_in = counting  # type: ignore[assignment]
+    try:
+        loaded = cloudckpt.load(tp_state(rank, tp=2, empty=True), uri)
+    finally:
+        dist_guard.check_in = original  # type: ignore[assignment]
+    check_tp(loaded, rank, tp=2)
+    return {"names": names}
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_a_default_load_makes_two_collectives(rank_pool: Any, tmp_path: Path, backend: str) -> None:
+    """One all-gather agrees on opening and carries every rank's shards' metadata (for
+    the validation), one agrees on the reads: no separate gather of the metadata."""
+    for out in rank_pool.run(_count_collectives, str(tmp_path), backend):
+        assert len(out["names"]) == 2, out["names"]
+        assert out["names"][0].startswith("agreeing on opening checkpoint")
+        assert out["names"][1].startswith("agreeing on loading checkpoint")
