@@ -161,6 +161,8 @@ class DcpCheckpoint:
             metadata if metadata is not None else read_metadata(storage, weights_only)
         )
         self._record_cache: dict[str, dict[tuple[int, ...], Record]] = {}
+        self._chunk_cache: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+        self._request_cache: dict[MetadataIndex, ReadRequest] = {}
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -254,19 +256,56 @@ class DcpCheckpoint:
             raise self._missing("tensor(s)", sorted(missing))
         for sh in tensors:
             self._check(sh)
-        sources = {key: self._sources(key) for key in {sh.key for sh in tensors}}
-        plans = [(sh, self._plan(sh, sources[sh.key])) for sh in tensors]
+        sources: dict[str, list[_Source]] = {}
+        plans: list[tuple[ShardedTensor, list[_Source]]] = []
+        for sh in tensors:
+            exact = self._exact_source(sh)
+            if exact is not None:
+                plans.append((sh, [exact]))
+                continue
+            if sh.key not in sources:
+                sources[sh.key] = self._sources(sh.key)
+            plans.append((sh, self._plan(sh, sources[sh.key])))
         out: dict[int, torch.Tensor] = {}
         for batch in self._batches(plans):
             out.update(self._load_batch(batch))
         return out
+
+    def _exact_source(self, sh: ShardedTensor) -> _Source | None:
+        """The one stored chunk that is exactly the chunk ``sh`` needs (the common,
+        unresharded case: found by its offsets, without planning the key's other
+        chunks); None when there is none or the tensor is stored flattened."""
+        if sh.flattened_range is not None or self.orig_shape(sh.key) is not None:
+            return None
+        offsets, shape = tuple(sh.global_offset), chunk_shape(sh)
+        if self._chunk_sizes(sh.key).get(offsets) != shape:
+            return None
+        piece = Piece(MetadataIndex(sh.key, offsets), 0, math.prod(shape))
+        return _Source(sh.key, (offsets, shape), (piece,))
+
+    def _chunk_sizes(self, key: str) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """``{offsets: sizes}`` of ``key``'s stored chunks."""
+        table = self._chunk_cache.get(key)
+        if table is None:
+            chunks = self.tensor_metadata(key).chunks
+            table = {tuple(c.offsets): tuple(c.sizes) for c in chunks}
+            self._chunk_cache[key] = table
+        return table
+
+    def _request(self, index: MetadataIndex) -> ReadRequest:
+        """The ranged read of one stored item (looked up once per item)."""
+        request = self._request_cache.get(index)
+        if request is None:
+            request = item_request(self.storage, self.metadata, index)
+            self._request_cache[index] = request
+        return request
 
     def _plan(self, sh: ShardedTensor, sources: list[_Source]) -> list[_Source]:
         box = needed_box(sh)
         return [s for s in sources if _overlap(s.box, box) is not None]
 
     def _item_size(self, index: MetadataIndex) -> int:
-        request = item_request(self.storage, self.metadata, index)
+        request = self._request(index)
         return (request.end or 0) - request.start
 
     def _batches(
@@ -304,7 +343,7 @@ class DcpCheckpoint:
         if self.tensor_metadata(sh.key).properties.dtype != sh.dtype:
             return None
         record = self._records(sh.key).get(tuple(piece.index.offset or ()))
-        whole = item_request(self.storage, self.metadata, piece.index)
+        whole = self._request(piece.index)
         nbytes = piece.numel * sh.dtype.itemsize
         if (
             record is None
@@ -359,7 +398,7 @@ class DcpCheckpoint:
         records = self._records(source.key)
 
         def locate(piece: Piece) -> tuple[ReadRequest, Record | None]:
-            request = item_request(self.storage, self.metadata, piece.index)
+            request = self._request(piece.index)
             return request, records.get(tuple(piece.index.offset or ()))
 
         rel = relative(needed, source.box[0])
