@@ -200,18 +200,42 @@ def raise_if_any_rank_failed(error: BaseException | None, what: str, group: Any 
     ``except CommitConflictError`` works on the ranks that did not see it themselves.
     In a world of one the local exception is raised unchanged.
     """
+    _gather_reports(error, None, what, group)
+
+
+def all_gather_agreed(what: str, compute: Callable[[], Any], group: Any = None) -> list[Any]:
+    """Collective: run ``compute`` on every rank and gather its results, indexed by rank,
+    in the collective that also lets every rank learn whether any rank failed in it
+    (one collective where :func:`agree` followed by :func:`all_gather_object` makes
+    two). If a rank failed, every rank raises as :func:`raise_if_any_rank_failed` does.
+    ``compute`` must not itself call a collective (see :func:`agree`)."""
+    error: BaseException | None = None
+    value: Any = None
+    try:
+        value = compute()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        error = exc
+    return _gather_reports(error, value, what, group)
+
+
+def _gather_reports(
+    error: BaseException | None, value: Any, what: str, group: Any = None
+) -> list[Any]:
+    """All-gather ``(this rank's failure report, value)``; raise on every rank if any
+    rank failed (see :func:`raise_if_any_rank_failed`), else return the values."""
     report = _Report.of(error)
     try:
-        reports = all_gather_object(report, group, what=f"agreeing on {what}")
+        gathered = all_gather_object((report, value), group, what=f"agreeing on {what}")
     except CollectiveError as lost:
         if error is not None:  # this rank's own failure goes with the lost ranks
             summary = report.summary if report is not None else ""
             lost.args = (f"{lost}; rank {get_rank(group)} itself failed: {summary}",)
             lost.errors[get_rank(group)] = error
         raise lost from error
+    reports = [rep for rep, _ in gathered]
     failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
     if not failed:
-        return
+        return [v for _, v in gathered]
     if error is not None and (get_world_size(group) == 1 or _already_agreed(reports)):
         raise error
     lines = "; ".join(f"rank {r}: {rep.summary}" for r, rep in sorted(failed.items()))

@@ -246,17 +246,31 @@ def load_checkpoint(
     validate: bool,
     open_session: Callable[[], LoadSession],
 ) -> tuple[StateDict, set[str], set[str]]:
-    """Load collectively: open and read the common state (agreed), validate the request
-    across ranks and apply ``strict`` (agreed), read (agreed). Returns the state dict and
-    the missing and unexpected keys."""
+    """Load collectively: open and read the common state and split the request (agreed,
+    in the collective that also gathers every rank's shards' metadata when validation or
+    ``strict`` needs it), validate the request across ranks and apply ``strict``
+    (agreed where it can fail on one rank), read (agreed). Two collectives for a
+    default load. Returns the state dict and the missing and unexpected keys."""
     started = time.perf_counter()
     shown = redact_uri(uri)
-    with dist.agree(f"opening checkpoint {shown!r}"):
-        strict = parse_strict_flag(strict)
+    opened: list[tuple[StrictHandling, LoadSession, StateDict, LoadRequest]] = []
+
+    def open_and_split() -> list[ShardedBase] | None:
+        """Open the checkpoint and split the request; what the other ranks need of it
+        (its shards' metadata, for validation and strict handling) or None."""
+        handling = parse_strict_flag(strict)
         session = open_session()
-        common_state = session.common_state()
-        request = LoadRequest.of(sharded_state_dict, shown)
-    sharded, missing, unexpected = _apply_strictness(session, request, strict, validate)
+        opened.append(
+            (handling, session, session.common_state(), LoadRequest.of(sharded_state_dict, shown))
+        )
+        return opened[0][3].local if _needs_global(handling, validate) else None
+
+    # one collective: the agreement on opening carries every rank's shards' metadata
+    gathered = dist.all_gather_agreed(f"opening checkpoint {shown!r}", open_and_split)
+    handling, session, common_state, request = opened[0]
+    sharded, missing, unexpected = _apply_strictness(
+        session, request, handling, validate, gathered if gathered[0] is not None else None
+    )
     with dist.agree(f"loading checkpoint {shown!r}"), logged_failure("load", shown):
         loaded = session.read(sharded)
         apply_factory_merges(loaded, request.factories)
@@ -268,17 +282,31 @@ def load_checkpoint(
     return common_state, missing, unexpected
 
 
+def _needs_global(strict: StrictHandling, validate: bool) -> bool:
+    """Whether a load needs every rank's shards' metadata."""
+    return validate or StrictHandling.requires_global_app_metadata(strict)
+
+
 def _apply_strictness(
-    session: LoadSession, request: LoadRequest, strict: StrictHandling, validate: bool
+    session: LoadSession,
+    request: LoadRequest,
+    strict: StrictHandling,
+    validate: bool,
+    gathered: list[list[ShardedBase]] | None = None,
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
     """Validate the requested sharding and handle missing keys (stored, requested by no
     rank; ``*_ALL`` modes only) and unexpected keys (requested here, not stored) per
     ``strict``; unexpected keys are dropped from the request. Collective; a rank that
-    raises (unexpected keys there only) makes every rank raise."""
+    raises (unexpected keys there only) makes every rank raise. ``gathered``: every
+    rank's shards' metadata when already gathered (else gathered here if needed)."""
     shown = session.storage.uri
     local = request.local
-    needs_global = validate or StrictHandling.requires_global_app_metadata(strict)
-    global_metadata = dist.all_gather_object(local) if needs_global else [local]
+    if gathered is not None:
+        global_metadata = gathered
+    elif _needs_global(strict, validate):
+        global_metadata = dist.all_gather_object(local)
+    else:
+        global_metadata = [local]
     if validate:
         validate_sharding_integrity(global_metadata, shown)
     if not StrictHandling.requires_explicit_ckpt_mismatch_check(strict):

@@ -4,7 +4,8 @@ request threads kept across calls (cloudckpt/storage/pool.py).
 
 * Ranges of one object that share blocks are read in one run (one request), each
   byte once, into their buffers; what lies between them is checked too: a byte
-  flipped there, or inside a range, fails the read naming the block.
+  flipped there, or inside a range, fails the read naming the block. Each block is
+  checked as soon as its bytes are read (pieces end where blocks end).
 * Runs are at most a part long; objects the manifest does not list are read as is;
   overlapping ranges and ``verify_checksums`` take the general path; a missing
   object is reported as damage when the manifest lists it.
@@ -24,7 +25,7 @@ from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import CorruptObjectError
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
-from cloudckpt.storage.local_scatter import plan_runs
+from cloudckpt.storage.local_scatter import Run, RunCheck, block_pieces, plan_runs
 from cloudckpt.storage.pool import RequestPool
 
 MiB = 1024 * 1024
@@ -152,3 +153,41 @@ def test_runs_cut_at_block_multiples_cover_every_byte_once(tmp_path: Path) -> No
         lengths = [view.nbytes for _, view in run.segments]
         assert offsets[0] == run.start and sum(lengths) == run.end - run.start
         assert all(o + n == p for o, n, p in zip(offsets, lengths, offsets[1:], strict=False))
+
+
+def test_each_block_is_checked_as_soon_as_it_is_read(tmp_path: Path) -> None:
+    """A run is read in pieces that end where its blocks end, and each block's CRC-32C
+    is compared as soon as its last piece is filled, before the next piece is read
+    (while its bytes are in the CPU's cache); the read fails naming the block."""
+    storage, data, _ = _written(tmp_path, part_size=8 * MiB)
+
+    def one_run() -> Run:
+        views = [(ReadRequest("obj", a), memoryview(bytearray(b - a))) for a, b in _ranges()]
+        (run,) = plan_runs(storage.expected, views, max_run=8 * MiB)
+        return run
+
+    pieces = block_pieces(one_run())
+    assert sum(p.nbytes for p in pieces) == SIZE  # the run covers the whole object
+    at = 0
+    for piece in pieces:  # no piece crosses a block boundary
+        assert at // BLOCK_SIZE == (at + piece.nbytes - 1) // BLOCK_SIZE
+        at += piece.nbytes
+    damaged = bytearray(data)
+    damaged[BLOCK_SIZE + 77] ^= 0x01  # in block 1
+    path = tmp_path / "ckpt" / "obj"
+    path.write_bytes(bytes(damaged))
+    run = one_run()
+    check = RunCheck(run, storage.expected)
+    read_after_failure = []
+
+    def filled(piece: memoryview) -> None:
+        if check._failure is not None:
+            read_after_failure.append(piece.nbytes)
+        check.add(piece)
+
+    storage.transport.read_segments(str(path), 0, block_pieces(run), filled)
+    assert sum(read_after_failure) == SIZE - 2 * BLOCK_SIZE  # blocks 2 to 5
+    with pytest.raises(CorruptObjectError, match=r"block 1 of 6"):
+        check.finish()
+    with pytest.raises(CorruptObjectError, match=r"block 1 of 6"):
+        _read(storage, _ranges())

@@ -28,7 +28,7 @@ from cloudckpt.storage.blocks import block_size_for, object_checksum
 from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view, crc32c, plan_parts
 from cloudckpt.storage.checked import Expected
 from cloudckpt.storage.edge import PRECONDITION_FAILED, error_code, io_errors, translate
-from cloudckpt.storage.local_scatter import Run, check_run, plan_runs
+from cloudckpt.storage.local_scatter import Run, RunCheck, block_pieces, plan_runs
 from cloudckpt.storage.location import (
     StoreKind,
     enforces_exclusive_writes,
@@ -133,17 +133,21 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         super().read_into_many(items)
 
     def _read_local_run(self, run: Run) -> None:
-        """Fill one run's buffers from its object and check its blocks."""
-        views = [view for _, view in run.segments]
+        """Fill one run's buffers from its object, checking each block as soon as it
+        is read (:class:`~cloudckpt.storage.local_scatter.RunCheck`)."""
+        check = RunCheck(run, self.expected)
+        pieces = block_pieces(run)
         try:
-            got = self.transport.read_segments(self.full_path(run.path), run.start, views)
+            got = self.transport.read_segments(
+                self.full_path(run.path), run.start, pieces, check.add
+            )
         except FileNotFoundError as exc:
             raise self.expected.not_found(run.path) from exc
         except io_errors() as exc:
             raise translate(exc, f"failed to read {self.child_uri(run.path)}: {exc}") from exc
         self._count_read(got)
         self.expected.check_length(run.path, run.start, run.end - run.start, got)
-        check_run(run, self.expected)
+        check.finish()
 
     # -- writes ------------------------------------------------------------------------
 

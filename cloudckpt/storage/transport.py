@@ -10,7 +10,7 @@ them at its edge, naming the object.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, cast
 
 from cloudckpt.retry_policy import RetryPolicy
@@ -114,10 +114,17 @@ class Transport:
             done += piece.nbytes
         return data.nbytes
 
-    def read_segments(self, path: str, start: int, views: Sequence[memoryview]) -> int:
+    def read_segments(
+        self,
+        path: str,
+        start: int,
+        views: Sequence[memoryview],
+        filled: Callable[[memoryview], None] | None = None,
+    ) -> int:
         """Fill ``views`` in order with the bytes of ``path`` from ``start`` on, in one
         request (transports that read in place only); returns the bytes received
-        (fewer at the end of the object)."""
+        (fewer at the end of the object). ``filled`` is called with each view once it
+        is full, before the next one is read."""
         raise NotImplementedError(f"{type(self).__name__} has no scattered reads")
 
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
@@ -177,7 +184,13 @@ class LocalTransport(Transport):
             f.seek(start)
             return int(f.readinto(out))
 
-    def read_segments(self, path: str, start: int, views: Sequence[memoryview]) -> int:
+    def read_segments(
+        self,
+        path: str,
+        start: int,
+        views: Sequence[memoryview],
+        filled: Callable[[memoryview], None] | None = None,
+    ) -> int:
         done = 0
         with self.pool.slots, self.fs.open(path, "rb") as f:
             f.seek(start)
@@ -186,6 +199,8 @@ class LocalTransport(Transport):
                 done += got
                 if got < view.nbytes:
                     break
+                if filled is not None:
+                    filled(view)
         return done
 
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:

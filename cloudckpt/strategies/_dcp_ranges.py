@@ -166,13 +166,18 @@ def records_of(extra: Mapping[str, Any] | None, key: str) -> dict[tuple[int, ...
     if not isinstance(table, dict):
         return {}
     return {
-        tuple(offsets): (value[0], value[1])
+        tuple(offsets): value
         for offsets, value in table.items()
-        if isinstance(offsets, tuple)
-        and isinstance(value, tuple)
-        and len(value) == 2
-        and all(isinstance(v, int) and v >= 0 for v in value)
+        if isinstance(offsets, tuple) and _is_record(value)
     }
+
+
+def _is_record(value: Any) -> bool:
+    """Whether ``value`` is a record: ``(start, nbytes)``, two non-negative ints."""
+    if not isinstance(value, tuple) or len(value) != 2:
+        return False
+    start, nbytes = value
+    return isinstance(start, int) and isinstance(nbytes, int) and start >= 0 and nbytes >= 0
 
 
 # -- reading: which bytes -----------------------------------------------------------------

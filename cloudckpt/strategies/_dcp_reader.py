@@ -161,6 +161,8 @@ class DcpCheckpoint:
             metadata if metadata is not None else read_metadata(storage, weights_only)
         )
         self._record_cache: dict[str, dict[tuple[int, ...], Record]] = {}
+        self._chunk_cache: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+        self._request_cache: dict[MetadataIndex, ReadRequest] = {}
 
     # -- metadata ---------------------------------------------------------------------
 
@@ -254,19 +256,56 @@ class DcpCheckpoint:
             raise self._missing("tensor(s)", sorted(missing))
         for sh in tensors:
             self._check(sh)
-        sources = {key: self._sources(key) for key in {sh.key for sh in tensors}}
-        plans = [(sh, self._plan(sh, sources[sh.key])) for sh in tensors]
+        sources: dict[str, list[_Source]] = {}
+        plans: list[tuple[ShardedTensor, list[_Source]]] = []
+        for sh in tensors:
+            exact = self._exact_source(sh)
+            if exact is not None:
+                plans.append((sh, [exact]))
+                continue
+            if sh.key not in sources:
+                sources[sh.key] = self._sources(sh.key)
+            plans.append((sh, self._plan(sh, sources[sh.key])))
         out: dict[int, torch.Tensor] = {}
         for batch in self._batches(plans):
             out.update(self._load_batch(batch))
         return out
+
+    def _exact_source(self, sh: ShardedTensor) -> _Source | None:
+        """The one stored chunk that is exactly the chunk ``sh`` needs (the common,
+        unresharded case: found by its offsets, without planning the key's other
+        chunks); None when there is none or the tensor is stored flattened."""
+        if sh.flattened_range is not None or self.orig_shape(sh.key) is not None:
+            return None
+        offsets, shape = tuple(sh.global_offset), chunk_shape(sh)
+        if self._chunk_sizes(sh.key).get(offsets) != shape:
+            return None
+        piece = Piece(MetadataIndex(sh.key, offsets), 0, math.prod(shape))
+        return _Source(sh.key, (offsets, shape), (piece,))
+
+    def _chunk_sizes(self, key: str) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """``{offsets: sizes}`` of ``key``'s stored chunks."""
+        table = self._chunk_cache.get(key)
+        if table is None:
+            chunks = self.tensor_metadata(key).chunks
+            table = {tuple(c.offsets): tuple(c.sizes) for c in chunks}
+            self._chunk_cache[key] = table
+        return table
+
+    def _request(self, index: MetadataIndex) -> ReadRequest:
+        """The ranged read of one stored item (looked up once per item)."""
+        request = self._request_cache.get(index)
+        if request is None:
+            request = item_request(self.storage, self.metadata, index)
+            self._request_cache[index] = request
+        return request
 
     def _plan(self, sh: ShardedTensor, sources: list[_Source]) -> list[_Source]:
         box = needed_box(sh)
         return [s for s in sources if _overlap(s.box, box) is not None]
 
     def _item_size(self, index: MetadataIndex) -> int:
-        request = item_request(self.storage, self.metadata, index)
+        request = self._request(index)
         return (request.end or 0) - request.start
 
     def _batches(
@@ -304,7 +343,7 @@ class DcpCheckpoint:
         if self.tensor_metadata(sh.key).properties.dtype != sh.dtype:
             return None
         record = self._records(sh.key).get(tuple(piece.index.offset or ()))
-        whole = item_request(self.storage, self.metadata, piece.index)
+        whole = self._request(piece.index)
         nbytes = piece.numel * sh.dtype.itemsize
         if (
             record is None
@@ -318,14 +357,22 @@ class DcpCheckpoint:
     def _read_direct(
         self, reads: list[tuple[ShardedTensor, ReadRequest]]
     ) -> dict[int, torch.Tensor]:
-        """Read each chunk's elements straight into a new tensor: one copy, checked
-        against the block CRC-32Cs; no ``torch.load``, no intermediate bytes."""
-        tensors = {id(sh): torch.empty(chunk_shape(sh), dtype=sh.dtype) for sh, _ in reads}
+        """Read each chunk's elements straight into its tensor: one copy, checked
+        against the block CRC-32Cs; no ``torch.load``, no intermediate bytes. The
+        tensor is the request's own ``data`` where that can hold the chunk as it is
+        (loaded in place, as Megatron-Core's torch_dist load and the fully parallel
+        exchange do: no second allocation, and memory the caller already touched
+        takes no page faults), else a new one (see :func:`_in_place_targets`)."""
+        targets = _in_place_targets([sh for sh, _ in reads])
+        tensors = {id(sh): _target_or_new(sh, targets) for sh, _ in reads}
         if reads:
             self.storage.read_into_many(
                 [(request, tensor_bytes(tensors[id(sh)])) for sh, request in reads]
             )
-        return {id(sh): _placed(sh, tensors[id(sh)]) for sh, _ in reads}
+        return {
+            id(sh): tensors[id(sh)] if id(sh) in targets else _placed(sh, tensors[id(sh)])
+            for sh, _ in reads
+        }
 
     def _read_regions(
         self, batch: list[tuple[ShardedTensor, list[_Source]]]
@@ -351,7 +398,7 @@ class DcpCheckpoint:
         records = self._records(source.key)
 
         def locate(piece: Piece) -> tuple[ReadRequest, Record | None]:
-            request = item_request(self.storage, self.metadata, piece.index)
+            request = self._request(piece.index)
             return request, records.get(tuple(piece.index.offset or ()))
 
         rel = relative(needed, source.box[0])
@@ -426,6 +473,49 @@ def _regions(batch: list[tuple[ShardedTensor, list[_Source]]]) -> list[tuple[_So
                 known = regions.get(source)
                 regions[source] = needed if known is None else bounding(known, needed)
     return list(regions.items())
+
+
+def _in_place_target(sh: ShardedTensor) -> torch.Tensor | None:
+    """``sh``'s own ``data`` when a chunk can be read straight into it: a plain CPU
+    tensor of the shard's dtype and local shape, contiguous, of a whole chunk (no
+    flattened range); None otherwise (a new tensor is allocated)."""
+    data = sh.data
+    if (
+        data is None
+        or type(data) not in (torch.Tensor, torch.nn.Parameter)
+        or data.device.type != "cpu"
+        or data.layout != torch.strided
+        or data.dtype != sh.dtype
+        or sh.flattened_range is not None
+        or tuple(data.shape) != tuple(sh.local_shape)
+        or not data.is_contiguous()
+        or data.numel() == 0
+    ):
+        return None
+    return data.detach()
+
+
+def _in_place_targets(shards: Sequence[ShardedTensor]) -> dict[int, torch.Tensor]:
+    """``{id(sh): tensor}`` of the shards read in place (:func:`_in_place_target`),
+    keeping only tensors whose memory no other target's overlaps (two requests that
+    share memory each get a new tensor, so neither overwrites the other)."""
+    found = {id(sh): t for sh in shards if (t := _in_place_target(sh)) is not None}
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), key) for key, t in found.items()
+    )
+    shared: set[int] = set()
+    end, last = -1, None
+    for start, stop, key in spans:
+        if start < end and last is not None:
+            shared.update((key, last))
+        if stop > end:
+            end, last = stop, key
+    return {key: t for key, t in found.items() if key not in shared}
+
+
+def _target_or_new(sh: ShardedTensor, targets: dict[int, torch.Tensor]) -> torch.Tensor:
+    target = targets.get(id(sh))
+    return target if target is not None else torch.empty(chunk_shape(sh), dtype=sh.dtype)
 
 
 def _placed(sh: ShardedTensor, chunk: torch.Tensor) -> torch.Tensor:
