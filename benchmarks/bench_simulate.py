@@ -20,10 +20,13 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
 * ``validate``: ``gather_keys`` + ``validate_key_set`` + ``validate_gathered_sharding``,
   what the coordinator runs on the gathered metadata before anything is written (its
   verdict is broadcast: every rank raises the same error);
-* ``plan``: zarr: ``plan_flat_chunks`` on every rank's flattened shards (the assembly of
-  distributed-optimizer chunks); torch_dist: DCP's coordinator step with cloudckpt's planner
-  and writer (``create_global_plan``, ``prepare_global_plan``) on every rank's local plan,
-  then ``finish`` (``.metadata`` from every rank's item results, into ``memory://``);
+* ``plan``: zarr: the coordinator's step of ``ZarrSaveShardedStrategy._flat_writes``:
+  unpickling every rank's table of flattened pieces (``flat_shard_table``, gathered on
+  the coordinator only), ``plan_flat_exchange``, and pickling each rank's part for the
+  scatter (a rank unpickles only its own); torch_dist: DCP's coordinator step with
+  cloudckpt's planner and writer (``create_global_plan``, ``prepare_global_plan``) on
+  every rank's local plan, pickling the global plans for the scatter, then ``finish``
+  (``.metadata`` from every rank's item results, into ``memory://``);
 * ``merge``: ``commit``'s coordinator step, ``build_manifest`` on every rank's write
   results and tensor entries, and the manifest's canonical JSON (the records are
   gathered on the coordinator only: the other ranks send theirs and receive nothing).
@@ -31,9 +34,10 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
 Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
 to one core, so other load on the machine stretches wall time, not these figures),
 microseconds per (rank x tensor) of their total (constant when the steps grow linearly),
-the pickled bytes one rank sends in each exchange (validation metadata, flat-shard
-metadata or DCP local plan and item results, commit record), and the bytes a rank
-other than the coordinator receives (the all-gathers: ``recv MB/rank``).
+the pickled bytes one rank sends in each exchange (validation metadata, flat-piece
+table or DCP local plan and item results, commit record), and the bytes a rank
+other than the coordinator receives (its part of the scattered plans, padded to the
+longest, and the scatter's sizes: ``recv kB/rank``).
 Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
 one core's time for what the coordinator
 does, not a distributed run; on a shared machine they are provisional.
@@ -67,7 +71,7 @@ from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
 from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
-from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
+from cloudckpt.planning import RankFlatPlan, chunk_plans, plan_flat_exchange
 from cloudckpt.session import validate_gathered_sharding
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
@@ -77,7 +81,7 @@ from cloudckpt.strategies.torch import (
     _PackedObjectsSavePlanner,
     to_dcp_state_dict,
 )
-from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy, _array_meta
+from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy, _array_meta, _flat_table
 from cloudckpt.validation import chunk_index
 
 _T = TypeVar("_T")
@@ -189,6 +193,8 @@ class Row:
     dp: int
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_per_rank: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+    """Bytes a rank other than the coordinator receives, per scatter."""
     objects: int = 0
     manifest_bytes: int = 0
     artifacts: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -201,12 +207,12 @@ class Row:
 
     @property
     def received_per_rank(self) -> int:
-        """Bytes a rank other than the coordinator receives in the all-gathers (each
-        pads every rank's payload to the longest): for zarr, the flat shards. The
-        sharding metadata, the commit records and DCP's plans and results are gathered
-        on the coordinator only (a rank receives its own global plan back)."""
-        gathered = ("flat",)
-        return sum(self.ranks * self.bytes_per_rank.get(name, 0) for name in gathered)
+        """Bytes a rank other than the coordinator receives: its part of the plans
+        (zarr: its flat-chunk transfers; torch_dist: its global plan), padded to the
+        longest, and the sizes the scatter sends first. The sharding metadata, the flat
+        pieces' tables, DCP's local plans and item results and the commit records are
+        gathered on the coordinator only."""
+        return sum(self.bytes_received.values())
 
     @property
     def us_per_rank_tensor(self) -> float:
@@ -312,38 +318,67 @@ def _is_flat(sh: ShardedBase) -> bool:
 def _zarr_steps(
     row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
 ) -> list[Any]:
-    flat = [
-        [
-            s.without_data()
-            for s in shards_of(r)
-            if isinstance(s, ShardedTensor) and s.flattened_range
-        ]
-        for r in range(world.size)
-    ]
-    with _paused(pause_gc):  # ZarrSaveShardedStrategy._flat_writes
-        flat = _exchange(row, "plan", "flat", flat)
-        plans = _timed(row, "plan", lambda: plan_flat_chunks(flat))
-        flat.clear()
-    row.artifacts["flat_plans"] = plans
     strategy = ZarrSaveShardedStrategy()
+    flat = [_zarr_flat_table([s for s in shards_of(r) if _is_flat(s)]) for r in range(world.size)]
+    with _paused(pause_gc):  # ZarrSaveShardedStrategy._flat_writes
+        tables = _exchange(row, "plan", "flat", [table for _, table in flat])
+        plans = _timed(row, "plan", lambda: plan_flat_exchange(tables))
+        tables.clear()
+        plans = _scatter(row, "plan", "flat_plans", plans)
+    pieces = [[(sh.key, index, *_flat_range(sh)) for sh, index in own] for own, _ in flat]
+    row.artifacts["flat_plans"] = chunk_plans(pieces, plans)
     records = []
     for rank in range(world.size):
         shards = shards_of(rank)
         tensors = [s for s in shards if isinstance(s, ShardedTensor)]
+        assembled = _assembled(flat[rank][0], plans[rank])
         records.append(
-            (zarr_writes(rank, shards, plans), strategy.tensor_entries(tensors), ["optimizer"])
+            (zarr_writes(rank, shards, assembled), strategy.tensor_entries(tensors), ["optimizer"])
         )
     return records
 
 
+def _zarr_flat_table(
+    shards: list[ShardedBase],
+) -> tuple[list[tuple[ShardedTensor, tuple[int, ...]]], Any]:
+    """A rank's local step: its flat-shard table, as ``_flat_writes`` makes it."""
+    return _flat_table([s for s in shards if isinstance(s, ShardedTensor)])
+
+
+def _flat_range(sh: ShardedTensor) -> tuple[int, int]:
+    rng = sh.flattened_range
+    assert rng is not None
+    return rng.start, rng.stop
+
+
+def _assembled(
+    local: list[tuple[ShardedTensor, tuple[int, ...]]], plan: RankFlatPlan
+) -> set[tuple[str, tuple[int, ...]]]:
+    """The flat chunks a rank assembles: those of the rows its plan does not send."""
+    sent = set(plan.sends[:, 0].tolist())
+    return {(sh.key, index) for row, (sh, index) in enumerate(local) if row not in sent}
+
+
+def _scatter(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
+    """Pickle each rank's payload (timed: the coordinator pickles all of them in
+    ``scatter_object``); a rank receives the longest (the scatter pads to it) and the
+    sizes (8 bytes per rank); unpickle each (the coordinator's own timed: every rank
+    unpickles its own at once)."""
+    gc.collect()
+    raws = [_timed(row, step, functools.partial(pickle.dumps, p)) for p in payloads]
+    row.bytes_received[name] = max(len(r) for r in raws) + 8 * len(raws)
+    out = [pickle.loads(r) for r in raws[1:]]
+    return [_timed(row, step, functools.partial(pickle.loads, raws[0])), *out]
+
+
 def zarr_writes(
-    rank: int, shards: list[ShardedBase], plans: list[FlatChunkPlan]
+    rank: int, shards: list[ShardedBase], assembled: set[tuple[str, tuple[int, ...]]]
 ) -> list[WriteResult]:
     """The objects ``rank`` writes in a zarr save (paths and sizes as the strategy names
     them; CRCs made up): its main-replica chunks, the flat chunks it assembles, the
     ``.zarray`` of chunk 0, and its main-replica ShardedObjects' files."""
     chunk_size = ZarrSaveShardedStrategy().chunk_size
-    assembled = {(p.key, p.index) for p in plans if p.assembler == rank}
+    assembled = set(assembled)
     out = []
     for sh in shards:
         if isinstance(sh, ShardedObject):
@@ -390,6 +425,7 @@ def _torch_dist_steps(
         local_plans = _exchange(row, "plan", "dcp_plan", local_plans)
         plans, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(local_plans))
         plans = _timed(row, "plan", lambda: writer.prepare_global_plan(plans))
+        plans = _scatter(row, "plan", "dcp_plans", plans)
     item_results = [dcp_item_results(p) for p in plans]
     with _paused(pause_gc):  # save_state_dict's gather and finish
         item_results = _exchange(row, "plan", "dcp_results", item_results)
@@ -449,7 +485,7 @@ def print_table(rows: list[Row]) -> None:
     head = f"{'backend':10} {'ranks':>5} {'tensors':>7} {'TPxPPxDP':>10} "
     head += " ".join(f"{s + ' s':>10}" for s in steps)
     head += f" {'total s':>8} {'us/r*t':>7} {'x 1st':>6}"
-    head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10} {'recv MB/rank':>12}"
+    head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10} {'recv kB/rank':>12}"
     print(head)
     base: dict[str, float] = {}
     for row in rows:
@@ -463,7 +499,7 @@ def print_table(rows: list[Row]) -> None:
             + f" {row.total:>8.2f} {row.us_per_rank_tensor:>7.2f}"
             + f" {row.us_per_rank_tensor / base[row.backend]:>6.2f}"
             + f" {sent.get('sharding', 0):>21,} {plan_bytes:>10,} {sent.get('commit', 0):>10,}"
-            + f" {row.received_per_rank / 1e6:>12.1f}"
+            + f" {row.received_per_rank / 1e3:>12,.1f}"
         )
 
 
