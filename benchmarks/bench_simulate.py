@@ -74,6 +74,7 @@ from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main
 from cloudckpt.planning import RankFlatPlan, chunk_plans, plan_flat_exchange
 from cloudckpt.session import validate_gathered_sharding
 from cloudckpt.storage import WriteResult, open_checkpoint
+from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.strategies._zarr_format import ZARRAY, shard_chunk_indices
 from cloudckpt.strategies.torch import (
@@ -421,11 +422,20 @@ def _torch_dist_steps(
         planners.append(planner)
         local_plans.append(plan)
     coordinator, writer = planners[0], writers[0]
-    with _paused(pause_gc):  # save_state_dict's gather and global step
-        local_plans = _exchange(row, "plan", "dcp_plan", local_plans)
-        plans, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(local_plans))
-        plans = _timed(row, "plan", lambda: writer.prepare_global_plan(plans))
-        plans = _scatter(row, "plan", "dcp_plans", plans)
+    with _paused(pause_gc):  # plan_save's gather, global step and scatter
+        gathered = _exchange(row, "plan", "dcp_plan", local_plans)
+        planned, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(gathered))
+        central = _timed(row, "plan", lambda: writer.prepare_global_plan(planned))
+        updates = _timed(row, "plan", lambda: global_plan_updates(coordinator, planned, central))
+        updates = _scatter(row, "plan", "dcp_plans", updates)
+        # every rank expands its own update at once: the coordinator's is timed
+        plans = [
+            _timed(row, "plan", lambda: apply_global_plan_update(local_plans[0], updates[0])),
+            *(
+                apply_global_plan_update(p, u)
+                for p, u in zip(local_plans[1:], updates[1:], strict=True)
+            ),
+        ]
     item_results = [dcp_item_results(p) for p in plans]
     with _paused(pause_gc):  # save_state_dict's gather and finish
         item_results = _exchange(row, "plan", "dcp_results", item_results)

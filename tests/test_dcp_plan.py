@@ -17,7 +17,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies._dcp_plan import linear_global_save_plan
+from cloudckpt.strategies._dcp_plan import (
+    GlobalPlanUpdate,
+    apply_global_plan_update,
+    global_plan_updates,
+    linear_global_save_plan,
+)
+from cloudckpt.strategies._dcp_storage import CloudStorageWriter
 from cloudckpt.strategies.torch import _PackedObjectsSavePlanner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -129,3 +135,53 @@ def test_defers_to_dcp_off_a_grid_and_agrees_when_valid():
     planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     _, metadata = planner.create_global_plan(tiled)
     assert pickle.dumps(metadata) == pickle.dumps(_dcp(tiled)[1])
+
+
+def _planner() -> _PackedObjectsSavePlanner:
+    return _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def test_scattered_updates_expand_to_the_global_plans():
+    """The coordinator scatters index hints and the writer's storage data; each rank's
+    expansion is the global plan DCP's step gives it, hints included, in fewer bytes."""
+    local = _local_plans(sim.World(2, 2, 2, 16), 13)
+    planner = _planner()
+    planned, _ = planner.create_global_plan(local)
+    writer = CloudStorageWriter(open_checkpoint(f"memory://test-dcp-updates-{os.getpid()}"))
+    central = writer.prepare_global_plan(planned)
+    updates = global_plan_updates(planner, planned, central)
+    assert all(isinstance(u, GlobalPlanUpdate) for u in updates)
+    expanded = [
+        apply_global_plan_update(p, pickle.loads(pickle.dumps(u)))
+        for p, u in zip(local, updates, strict=True)
+    ]
+    assert pickle.dumps(expanded) == pickle.dumps(central)
+    hints = [[i.index.index for i in p.items] for p in expanded]
+    assert hints == [[i.index.index for i in p.items] for p in _dcp(local)[0]]
+    assert any(h is not None for p in hints for h in p)
+    for update, plan in zip(updates, central, strict=True):
+        assert len(pickle.dumps(update)) * 5 < len(pickle.dumps(plan))
+
+
+def test_whole_plans_where_dcp_planned_or_the_writer_changed_items():
+    plans = _local_plans(sim.World(2, 1, 1, 16), 5)
+    doubled = [plans[0], dataclasses.replace(plans[1], items=[*plans[1].items, plans[0].items[1]])]
+    planner = _planner()
+    planned, _ = planner.create_global_plan(doubled)  # DCP's own step: de-duplicated
+    assert planner.index_hints is None
+    assert global_plan_updates(planner, planned, planned) == planned
+    planned, _ = planner.create_global_plan(plans)  # the fast path, then a writer that
+    rewritten = [dataclasses.replace(p, items=list(p.items)) for p in planned]  # copies
+    updates = global_plan_updates(planner, planned, rewritten)
+    assert updates == rewritten and all(isinstance(u, SavePlan) for u in updates)
+    assert apply_global_plan_update(plans[0], updates[0]) is updates[0]
+
+
+def test_an_update_for_another_plan_is_refused():
+    plans = _local_plans(sim.World(2, 1, 1, 16), 5)
+    planner = _planner()
+    planned, _ = planner.create_global_plan(plans)
+    (update, _) = global_plan_updates(planner, planned, planned)
+    short = dataclasses.replace(plans[0], items=plans[0].items[1:])
+    with pytest.raises(ValueError, match="index hints for"):
+        apply_global_plan_update(short, update)
