@@ -61,7 +61,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
@@ -75,6 +74,7 @@ from cloudckpt.planning import RankFlatPlan, chunk_plans, plan_flat_exchange
 from cloudckpt.session import validate_gathered_sharding
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
+from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.strategies._zarr_format import ZARRAY, shard_chunk_indices
 from cloudckpt.strategies.torch import (
@@ -467,12 +467,17 @@ def dcp_local_step(
 
 def dcp_item_results(plan: SavePlan) -> list[DcpWriteResult]:
     """The item results ``write_data`` returns for ``plan`` (one ``.distcp`` object per
-    256 items, as for small items packed into objects)."""
+    256 items, as for small items packed into objects): each with a
+    ``RecordedStorageInfo``, whose record (where a tensor's elements lie in its item)
+    the coordinator moves to ``mcore_data``."""
     prefix = plan.storage_data.prefix
     out = []
     for i, item in enumerate(plan.items):
         index: MetadataIndex = item.index
-        info = _StorageInfo(f"{prefix}{i // 256}.distcp", (i % 256) * 4096, 4096)
+        data = item.tensor_data
+        record = None if data is None else (320, math.prod(data.chunk.sizes) * 4)
+        path = f"{prefix}{i // 256}.distcp"
+        info = RecordedStorageInfo(path, (i % 256) * 4096, 4096, record=record)
         out.append(DcpWriteResult(index, 4096, info))
     return out
 
