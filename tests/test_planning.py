@@ -1,6 +1,7 @@
 """The coordinator's planning of flattened chunks (:func:`plan_flat_exchange`) against
 the all-ranks reference (:func:`plan_flat_chunks`): same chunks, assemblers and pieces
-on random layouts, and transfers that pair up."""
+on random layouts, and transfers that pair up; a rank failing before the planning fails
+the zarr save on every rank (4 real gloo processes)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from cloudckpt.planning import (
     plan_flat_chunks,
     plan_flat_exchange,
 )
+from cloudckpt.storage import open_checkpoint
+from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy
 from cloudckpt.validation import chunk_index
+from tests.test_failure_agreement import _outcome
 
 Piece = tuple[str, tuple[int, ...], int, int]
 
@@ -168,3 +172,35 @@ def test_what_a_rank_receives_does_not_grow_with_the_world() -> None:
     small = exchange(world(4, 2))[1]
     large = exchange(world(4, 32))[1]
     assert max(len(pickle.dumps(p)) for p in large) == max(len(pickle.dumps(p)) for p in small)
+
+
+def _off_grid_on_rank_2(rank: int, world: int, uri: str) -> dict:
+    """Each rank holds a quarter of one flattened chunk; rank 2's offset is off the grid."""
+    data = torch.arange(2.0) + 2 * rank
+    offset = (3,) if rank == 2 else (0,)
+    sh = ShardedTensor(
+        "t",
+        data,
+        torch.float32,
+        (8,),
+        (16,),
+        offset,
+        None,
+        0,
+        0,
+        flattened_range=slice(2 * rank, 2 * rank + 2),
+    )
+    strategy = ZarrSaveShardedStrategy()
+    return _outcome(strategy.save_to, open_checkpoint(uri), {"t": sh})
+
+
+def test_a_rank_failing_before_the_plan_fails_every_rank(rank_pool, tmp_path) -> None:
+    """The coordinator plans nothing when a rank sent no table; every rank raises,
+    naming it, instead of waiting for a transfer."""
+    outcomes = rank_pool.run(_off_grid_on_rank_2, str(tmp_path / "ckpt"))
+    for out in outcomes:
+        assert out["raised"] and "CheckpointingException" in out["kinds"], out
+        assert out["failed_ranks"] == [2], out
+        assert "planning the assembly of flattened chunks" in out["message"], out
+        assert "not on the chunk grid" in out["message"], out
+        assert out["elapsed"] < 10.0, out
