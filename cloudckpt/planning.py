@@ -125,9 +125,10 @@ class RankFlatPlan:
     """One rank's part in the assembly of the flattened chunks.
 
     Attributes:
-        sends: ``(k, 3)`` int64: (row of the piece, assembler rank, tag) for each piece
-            this rank sends; its other rows are pieces of chunks it assembles itself.
-        recvs: ``(m, 5)`` int64: (row of this rank's piece of the chunk, peer rank,
+        sends: ``(k, 3)`` integers (the narrowest that hold them): (row of the piece,
+            assembler rank, tag) for each piece this rank sends; its other rows are
+            pieces of chunks it assembles itself.
+        recvs: ``(m, 5)`` integers: (row of this rank's piece of the chunk, peer rank,
             start, stop, tag) for each piece this rank receives into a chunk it assembles.
 
     Rows index the rank's own :func:`flat_shard_table`. A send pairs with the receive of
@@ -218,7 +219,19 @@ def _split_by(owner: np.ndarray, world: int, *columns: np.ndarray) -> list[np.nd
     """The rows of ``columns`` stacked, split by ``owner`` (sorted): one array per rank."""
     stacked = np.stack(columns, axis=1) if len(owner) else np.empty((0, len(columns)), np.int64)
     bounds = np.searchsorted(owner, np.arange(1, world))
-    return [np.ascontiguousarray(part) for part in np.split(stacked, bounds)]
+    return [_narrowed(part) for part in np.split(stacked, bounds)]
+
+
+def _narrowed(part: np.ndarray) -> np.ndarray:
+    """``part`` as the narrowest signed integers that hold its values (fewer bytes to send)."""
+    if not part.size:
+        return np.ascontiguousarray(part)
+    low, high = int(part.min()), int(part.max())
+    for dtype in (np.int16, np.int32):
+        limits = np.iinfo(dtype)
+        if limits.min <= low and high <= limits.max:
+            return part.astype(dtype)
+    return np.ascontiguousarray(part, dtype=np.int64)
 
 
 def chunk_plans(

@@ -204,3 +204,12 @@ def test_a_rank_failing_before_the_plan_fails_every_rank(rank_pool, tmp_path) ->
         assert "planning the assembly of flattened chunks" in out["message"], out
         assert "not on the chunk grid" in out["message"], out
         assert out["elapsed"] < 10.0, out
+
+
+def test_plans_travel_as_the_narrowest_integers() -> None:
+    big = 1 << 40
+    _, table = flat_shard_table([("t", (0,), 0, big, 2 * big)])
+    _, other = flat_shard_table([("t", (0,), big, 2 * big, 2 * big)])
+    plans = plan_flat_exchange([table, other])
+    assert plans[1].sends.dtype == np.int16 and plans[1].sends.tolist() == [[0, 0, 2]]
+    assert plans[0].recvs.dtype == np.int64 and plans[0].recvs.tolist() == [[0, 1, big, 2 * big, 2]]
