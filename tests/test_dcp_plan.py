@@ -5,6 +5,7 @@ out of bounds or off a grid), whose results and errors are then DCP's."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import pickle
@@ -50,8 +51,11 @@ def test_same_plans_and_metadata_as_dcp(world):
     fast = linear_global_save_plan(plans)
     assert fast is not None
     expected_plans, expected_md = _dcp(plans)
-    assert pickle.dumps(fast[1]) == pickle.dumps(expected_md)
-    assert pickle.dumps(fast[0]) == pickle.dumps(expected_plans)
+    # equal values (repr: index hints too); the pickles may differ in which equal
+    # sizes are one object (share_equal_sizes), not in what they unpickle to
+    assert repr(fast[1]) == repr(expected_md) and fast[1] == expected_md
+    assert repr(fast[0]) == repr(expected_plans) and fast[0] == expected_plans
+    assert pickle.loads(pickle.dumps(fast[1])) == pickle.loads(pickle.dumps(expected_md))
     assert [[i.index.index for i in p.items] for p in fast[0]] == [
         [i.index.index for i in p.items] for p in expected_plans
     ]
@@ -62,7 +66,7 @@ def test_planner_uses_it_and_records_the_plan():
     planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     global_plan, metadata = planner.create_global_plan(plans)
     assert planner.global_plan is global_plan and planner.metadata is metadata
-    assert pickle.dumps(metadata) == pickle.dumps(_dcp(plans)[1])
+    assert repr(metadata) == repr(_dcp(plans)[1])
 
 
 def _edit_chunk(plans: list[SavePlan], rank: int, offsets, sizes) -> list[SavePlan]:
@@ -134,7 +138,7 @@ def test_defers_to_dcp_off_a_grid_and_agrees_when_valid():
     assert linear_global_save_plan(tiled) is None
     planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     _, metadata = planner.create_global_plan(tiled)
-    assert pickle.dumps(metadata) == pickle.dumps(_dcp(tiled)[1])
+    assert repr(metadata) == repr(_dcp(tiled)[1])
 
 
 def _planner() -> _PackedObjectsSavePlanner:
@@ -185,3 +189,23 @@ def test_an_update_for_another_plan_is_refused():
     short = dataclasses.replace(plans[0], items=plans[0].items[1:])
     with pytest.raises(ValueError, match="index hints for"):
         apply_global_plan_update(short, update)
+
+
+def test_local_plans_share_equal_sizes():
+    """The planner's local plan refers to each distinct size once: the same plan when
+    unpickled, in fewer bytes than with DCP's separate objects."""
+    shards = sim.rank_shards(sim.World(2, 1, 2, 16), 13)(1)
+    storage = open_checkpoint(f"memory://test-dcp-share-{os.getpid()}")
+    plan = sim.dcp_local_step(1, shards, storage)[2]
+    tensors = [i for i in plan.items if i.tensor_data is not None]
+    assert all(i.index.offset is i.tensor_data.chunk.offsets for i in tensors)
+    assert len({id(i.tensor_data.size) for i in tensors}) == len(
+        {tuple(i.tensor_data.size) for i in tensors}
+    )
+    separate = copy.deepcopy(plan)
+    for item in separate.items:  # as DCP makes them: a torch.Size per field
+        if item.tensor_data is not None:
+            chunk = item.tensor_data.chunk
+            chunk.offsets, chunk.sizes = torch.Size(chunk.offsets), torch.Size(chunk.sizes)
+    assert pickle.loads(pickle.dumps(plan)) == separate
+    assert len(pickle.dumps(plan)) < len(pickle.dumps(separate))
