@@ -4,9 +4,12 @@ A chunk of a non-flat ShardedTensor is written by the rank holding its main
 replica. A chunk of a *flattened* ShardedTensor (distributed-optimizer state) is
 spread over several ranks, each holding a contiguous flat range of it; an object
 store cannot assemble an object from several writers, so one rank (the
-*assembler*) receives the other pieces and writes the whole chunk. The plan is
-computed identically on every rank from the gathered sharding metadata, so the
-point-to-point transfers it implies match up without further negotiation.
+*assembler*) receives the other pieces and writes the whole chunk.
+
+:func:`plan_flat_chunks` is the reference: it plans every chunk from every rank's
+shards. A save plans on the coordinator only (:func:`plan_flat_exchange`, from each
+rank's small :func:`flat_shard_table`) and sends each rank just its own transfers
+(:class:`RankFlatPlan`), whose tags pair each send with its receive.
 """
 
 from __future__ import annotations
