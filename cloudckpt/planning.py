@@ -15,6 +15,7 @@ rank's small :func:`flat_shard_table`) and sends each rank just its own transfer
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,16 +166,18 @@ def plan_flat_exchange(tables: Sequence[np.ndarray]) -> list[RankFlatPlan]:
     total = int(counts.sum())
     if total == 0:
         return [_empty_plan() for _ in range(world)]
-    table = np.concatenate([t.reshape(-1, FLAT_TABLE_COLUMNS) for t in tables])
-    rank = np.repeat(np.arange(world, dtype=np.int64), counts)
-    row = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    order = np.argsort(table[:, 0], kind="stable")  # merges the ranks' sorted runs
-    table, rank, row = table[order], rank[order], row[order]
-    ids = table[:, 0]
+    columns = np.concatenate([t.reshape(-1, FLAT_TABLE_COLUMNS) for t in tables]).T
+    ids, starts, stops, numels = (np.ascontiguousarray(c) for c in columns)
+    order = np.argsort(ids, kind="stable")  # merges the ranks' sorted runs
+    offsets = np.cumsum(counts) - counts  # first row of each rank
+    # the rank of each sorted piece ("right": past the equal offsets of ranks without rows)
+    rank = np.searchsorted(offsets, order, side="right") - 1
+    row = order - offsets[rank]
+    ids = ids[order]
     first = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
     sizes = np.diff(np.append(first, total))
-    length = table[:, 2] - table[:, 1]
-    _check_chunks(table, length, first)
+    length = (stops - starts)[order]
+    _check_chunks(numels[order], length, first)
     longest = np.repeat(np.maximum.reduceat(length, first), sizes)
     position = np.arange(total, dtype=np.int64)
     # within a chunk the pieces are in rank order: the first of the longest is the lowest rank
@@ -186,21 +189,21 @@ def plan_flat_exchange(tables: Sequence[np.ndarray]) -> list[RankFlatPlan]:
     by_sender = remote[_rank_order(rank[remote], world)]
     sends = _split_by(rank[by_sender], world, row[by_sender], assembler[by_sender], tag[by_sender])
     by_assembler = remote[_rank_order(assembler[remote], world)]
+    source = order[by_assembler]
     recvs = _split_by(
         assembler[by_assembler],
         world,
         assembler_row[by_assembler],
         rank[by_assembler],
-        table[by_assembler, 1],
-        table[by_assembler, 2],
+        starts[source],
+        stops[source],
         tag[by_assembler],
     )
     return [RankFlatPlan(s, r) for s, r in zip(sends, recvs, strict=True)]
 
 
-def _check_chunks(table: np.ndarray, length: np.ndarray, first: np.ndarray) -> None:
+def _check_chunks(numel: np.ndarray, length: np.ndarray, first: np.ndarray) -> None:
     """Each chunk's pieces agree on its size and hold at most its elements."""
-    numel = table[:, 3]
     covered = np.add.reduceat(length, first)
     bad = (covered > numel[first]) | (
         np.maximum.reduceat(numel, first) != np.minimum.reduceat(numel, first)
@@ -219,21 +222,21 @@ def _rank_order(ranks: np.ndarray, world: int) -> np.ndarray:
 
 
 def _split_by(owner: np.ndarray, world: int, *columns: np.ndarray) -> list[np.ndarray]:
-    """The rows of ``columns`` stacked, split by ``owner`` (sorted): one array per rank."""
-    stacked = np.stack(columns, axis=1) if len(owner) else np.empty((0, len(columns)), np.int64)
-    bounds = np.searchsorted(owner, np.arange(1, world))
-    return [_narrowed(part) for part in np.split(stacked, bounds)]
+    """The rows of ``columns`` side by side, split by ``owner`` (sorted): one array per rank."""
+    stacked = np.stack(columns) if len(owner) else np.empty((len(columns), 0), np.int64)
+    bounds = np.searchsorted(owner, np.arange(world + 1))
+    return [_narrowed(stacked[:, lo:hi].T) for lo, hi in itertools.pairwise(bounds)]
 
 
 def _narrowed(part: np.ndarray) -> np.ndarray:
     """``part`` as the narrowest signed integers that hold its values (fewer bytes to send)."""
     if not part.size:
-        return np.ascontiguousarray(part)
+        return np.ascontiguousarray(part, dtype=np.int16)
     low, high = int(part.min()), int(part.max())
     for dtype in (np.int16, np.int32):
         limits = np.iinfo(dtype)
         if limits.min <= low and high <= limits.max:
-            return part.astype(dtype)
+            return np.ascontiguousarray(part, dtype=dtype)
     return np.ascontiguousarray(part, dtype=np.int64)
 
 
