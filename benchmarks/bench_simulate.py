@@ -25,8 +25,10 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
   the coordinator only), ``plan_flat_exchange``, and pickling each rank's part for the
   scatter (a rank unpickles only its own); torch_dist: DCP's coordinator step with
   cloudckpt's planner and writer (``create_global_plan``, ``prepare_global_plan``) on
-  every rank's local plan, pickling the global plans for the scatter, then ``finish``
-  (``.metadata`` from every rank's item results, into ``memory://``);
+  every rank's local plan, pickling each rank's ``GlobalPlanUpdate`` (its items' index
+  hints and the writer's storage data) for the scatter and expanding its own, then
+  ``finish`` (``.metadata`` from every rank's item results, with the records the real
+  writer's results carry, into ``memory://``);
 * ``merge``: ``commit``'s coordinator step, ``build_manifest`` on every rank's write
   results and tensor entries, and the manifest's canonical JSON (the records are
   gathered on the coordinator only: the other ranks send theirs and receive nothing).
