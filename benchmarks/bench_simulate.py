@@ -20,10 +20,15 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
 * ``validate``: ``gather_keys`` + ``validate_key_set`` + ``validate_gathered_sharding``,
   what the coordinator runs on the gathered metadata before anything is written (its
   verdict is broadcast: every rank raises the same error);
-* ``plan``: zarr: ``plan_flat_chunks`` on every rank's flattened shards (the assembly of
-  distributed-optimizer chunks); torch_dist: DCP's coordinator step with cloudckpt's planner
-  and writer (``create_global_plan``, ``prepare_global_plan``) on every rank's local plan,
-  then ``finish`` (``.metadata`` from every rank's item results, into ``memory://``);
+* ``plan``: zarr: the coordinator's step of ``ZarrSaveShardedStrategy._flat_writes``:
+  unpickling every rank's table of flattened pieces (``flat_shard_table``, gathered on
+  the coordinator only), ``plan_flat_exchange``, and pickling each rank's part for the
+  scatter (a rank unpickles only its own); torch_dist: DCP's coordinator step with
+  cloudckpt's planner and writer (``create_global_plan``, ``prepare_global_plan``) on
+  every rank's local plan, pickling each rank's ``GlobalPlanUpdate`` (its items' index
+  hints and the writer's storage data) for the scatter and expanding its own, then
+  ``finish`` (``.metadata`` from every rank's item results, with the records the real
+  writer's results carry, into ``memory://``);
 * ``merge``: ``commit``'s coordinator step: unpickling every rank's tensor digest (the
   all-gather that tells each rank which piece of the tensor entries it shares with others
   it sends) and every rank's ``CommitRecord`` (write results in columns, a piece of the
@@ -35,12 +40,13 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
 Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
 to one core, so other load on the machine stretches wall time, not these figures),
 microseconds per (rank x tensor) of their total (constant when the steps grow linearly),
-the pickled bytes one rank sends in each exchange (validation metadata, flat-shard
-metadata or DCP local plan and item results, commit record), and the bytes a rank
-other than the coordinator receives (the all-gathers: ``recv MB/rank``). With ``--json``,
-``bytes_per_rank`` also holds ``commit_mean`` (the mean record; the gather pads every
-record to the longest, ``commit``, so the coordinator receives ranks x that) and
-``commit_digest`` (the all-gathered digest).
+the pickled bytes one rank sends in each exchange (validation metadata, flat-piece
+table or DCP local plan and item results, commit record), and the bytes a rank
+other than the coordinator receives (its part of the scattered plans, padded to the
+longest, the scatter's sizes, and the commit's all-gathered tensor digests:
+``recv kB/rank``). With ``--json``, ``bytes_per_rank`` also holds ``commit_mean`` (the
+mean record; the gather pads every record to the longest, ``commit``, so the
+coordinator receives ranks x that) and ``commit_digest`` (the all-gathered digest).
 Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
 one core's time for what the coordinator
 does, not a distributed run; on a shared machine they are provisional.
@@ -64,7 +70,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
@@ -75,10 +80,12 @@ from cloudckpt.dist import paused_gc
 from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
 from cloudckpt.manifest import CommitRecord, Manifest
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
-from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
+from cloudckpt.planning import RankFlatPlan, chunk_plans, plan_flat_exchange
 from cloudckpt.session import validate_gathered_sharding
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
+from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
+from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.strategies._zarr_format import ZARRAY, shard_chunk_indices
 from cloudckpt.strategies.torch import (
@@ -86,7 +93,7 @@ from cloudckpt.strategies.torch import (
     _PackedObjectsSavePlanner,
     to_dcp_state_dict,
 )
-from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy, _array_meta
+from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy, _array_meta, _flat_table
 from cloudckpt.validation import chunk_index
 
 _T = TypeVar("_T")
@@ -198,6 +205,8 @@ class Row:
     dp: int
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_per_rank: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+    """Bytes a rank other than the coordinator receives, per scatter."""
     objects: int = 0
     manifest_bytes: int = 0
     artifacts: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -210,13 +219,14 @@ class Row:
 
     @property
     def received_per_rank(self) -> int:
-        """Bytes a rank other than the coordinator receives in the all-gathers (each
-        pads every rank's payload to the longest): for zarr, the flat shards; the commit's
-        tensor digests. The sharding metadata, the commit records and DCP's plans and
-        results are gathered on the coordinator only (a rank receives its own global
-        plan back)."""
-        gathered = ("flat", "commit_digest")
-        return sum(self.ranks * self.bytes_per_rank.get(name, 0) for name in gathered)
+        """Bytes a rank other than the coordinator receives: its part of the plans
+        (zarr: its flat-chunk transfers; torch_dist: its global plan), padded to the
+        longest, the sizes the scatter sends first, and every rank's tensor digest (the
+        commit's all-gather). The sharding metadata, the flat pieces' tables, DCP's local
+        plans and item results and the commit records are gathered on the coordinator
+        only."""
+        digests = self.ranks * self.bytes_per_rank.get("commit_digest", 0)
+        return sum(self.bytes_received.values()) + digests
 
     @property
     def us_per_rank_tensor(self) -> float:
@@ -336,38 +346,67 @@ def _is_flat(sh: ShardedBase) -> bool:
 def _zarr_steps(
     row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
 ) -> list[Any]:
-    flat = [
-        [
-            s.without_data()
-            for s in shards_of(r)
-            if isinstance(s, ShardedTensor) and s.flattened_range
-        ]
-        for r in range(world.size)
-    ]
-    with _paused(pause_gc):  # ZarrSaveShardedStrategy._flat_writes
-        flat = _exchange(row, "plan", "flat", flat)
-        plans = _timed(row, "plan", lambda: plan_flat_chunks(flat))
-        flat.clear()
-    row.artifacts["flat_plans"] = plans
     strategy = ZarrSaveShardedStrategy()
+    flat = [_zarr_flat_table([s for s in shards_of(r) if _is_flat(s)]) for r in range(world.size)]
+    with _paused(pause_gc):  # ZarrSaveShardedStrategy._flat_writes
+        tables = _exchange(row, "plan", "flat", [table for _, table in flat])
+        plans = _timed(row, "plan", lambda: plan_flat_exchange(tables))
+        tables.clear()
+        plans = _scatter(row, "plan", "flat_plans", plans)
+    pieces = [[(sh.key, index, *_flat_range(sh)) for sh, index in own] for own, _ in flat]
+    row.artifacts["flat_plans"] = chunk_plans(pieces, plans)
     records = []
     for rank in range(world.size):
         shards = shards_of(rank)
         tensors = [s for s in shards if isinstance(s, ShardedTensor)]
+        assembled = _assembled(flat[rank][0], plans[rank])
         records.append(
-            (zarr_writes(rank, shards, plans), strategy.tensor_entries(tensors), ["optimizer"])
+            (zarr_writes(rank, shards, assembled), strategy.tensor_entries(tensors), ["optimizer"])
         )
     return records
 
 
+def _zarr_flat_table(
+    shards: list[ShardedBase],
+) -> tuple[list[tuple[ShardedTensor, tuple[int, ...]]], Any]:
+    """A rank's local step: its flat-shard table, as ``_flat_writes`` makes it."""
+    return _flat_table([s for s in shards if isinstance(s, ShardedTensor)])
+
+
+def _flat_range(sh: ShardedTensor) -> tuple[int, int]:
+    rng = sh.flattened_range
+    assert rng is not None
+    return rng.start, rng.stop
+
+
+def _assembled(
+    local: list[tuple[ShardedTensor, tuple[int, ...]]], plan: RankFlatPlan
+) -> set[tuple[str, tuple[int, ...]]]:
+    """The flat chunks a rank assembles: those of the rows its plan does not send."""
+    sent = set(plan.sends[:, 0].tolist())
+    return {(sh.key, index) for row, (sh, index) in enumerate(local) if row not in sent}
+
+
+def _scatter(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
+    """Pickle each rank's payload (timed: the coordinator pickles all of them in
+    ``scatter_object``); a rank receives the longest (the scatter pads to it) and the
+    sizes (8 bytes per rank); unpickle each (the coordinator's own timed: every rank
+    unpickles its own at once)."""
+    gc.collect()
+    raws = [_timed(row, step, functools.partial(pickle.dumps, p)) for p in payloads]
+    row.bytes_received[name] = max(len(r) for r in raws) + 8 * len(raws)
+    out = [pickle.loads(r) for r in raws[1:]]
+    return [_timed(row, step, functools.partial(pickle.loads, raws[0])), *out]
+
+
 def zarr_writes(
-    rank: int, shards: list[ShardedBase], plans: list[FlatChunkPlan]
+    rank: int, shards: list[ShardedBase], assembled: set[tuple[str, tuple[int, ...]]]
 ) -> list[WriteResult]:
     """The objects ``rank`` writes in a zarr save (paths and sizes as the strategy names
     them; CRCs made up): its main-replica chunks, the flat chunks it assembles, the
     ``.zarray`` of chunk 0, and its main-replica ShardedObjects' files."""
     chunk_size = ZarrSaveShardedStrategy().chunk_size
-    assembled = {(p.key, p.index) for p in plans if p.assembler == rank}
+    assembled = set(assembled)
     out = []
     for sh in shards:
         if isinstance(sh, ShardedObject):
@@ -415,10 +454,20 @@ def _torch_dist_steps(
         planners.append(planner)
         local_plans.append(plan)
     coordinator, writer = planners[0], writers[0]
-    with _paused(pause_gc):  # save_state_dict's gather and global step
-        local_plans = _exchange(row, "plan", "dcp_plan", local_plans)
-        plans, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(local_plans))
-        plans = _timed(row, "plan", lambda: writer.prepare_global_plan(plans))
+    with _paused(pause_gc):  # plan_save's gather, global step and scatter
+        gathered = _exchange(row, "plan", "dcp_plan", local_plans)
+        planned, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(gathered))
+        central = _timed(row, "plan", lambda: writer.prepare_global_plan(planned))
+        updates = _timed(row, "plan", lambda: global_plan_updates(coordinator, planned, central))
+        updates = _scatter(row, "plan", "dcp_plans", updates)
+        # every rank expands its own update at once: the coordinator's is timed
+        plans = [
+            _timed(row, "plan", lambda: apply_global_plan_update(local_plans[0], updates[0])),
+            *(
+                apply_global_plan_update(p, u)
+                for p, u in zip(local_plans[1:], updates[1:], strict=True)
+            ),
+        ]
     item_results = [dcp_item_results(p) for p in plans]
     with _paused(pause_gc):  # save_state_dict's gather and finish
         item_results = _exchange(row, "plan", "dcp_results", item_results)
@@ -450,12 +499,17 @@ def dcp_local_step(
 
 def dcp_item_results(plan: SavePlan) -> list[DcpWriteResult]:
     """The item results ``write_data`` returns for ``plan`` (one ``.distcp`` object per
-    256 items, as for small items packed into objects)."""
+    256 items, as for small items packed into objects): each with a
+    ``RecordedStorageInfo``, whose record (where a tensor's elements lie in its item)
+    the coordinator moves to ``mcore_data``."""
     prefix = plan.storage_data.prefix
     out = []
     for i, item in enumerate(plan.items):
         index: MetadataIndex = item.index
-        info = _StorageInfo(f"{prefix}{i // 256}.distcp", (i % 256) * 4096, 4096)
+        data = item.tensor_data
+        record = None if data is None else (320, math.prod(data.chunk.sizes) * 4)
+        path = f"{prefix}{i // 256}.distcp"
+        info = RecordedStorageInfo(path, (i % 256) * 4096, 4096, record=record)
         out.append(DcpWriteResult(index, 4096, info))
     return out
 
@@ -478,7 +532,7 @@ def print_table(rows: list[Row]) -> None:
     head = f"{'backend':10} {'ranks':>5} {'tensors':>7} {'TPxPPxDP':>10} "
     head += " ".join(f"{s + ' s':>10}" for s in steps)
     head += f" {'total s':>8} {'us/r*t':>7} {'x 1st':>6}"
-    head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10} {'recv MB/rank':>12}"
+    head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10} {'recv kB/rank':>12}"
     print(head)
     base: dict[str, float] = {}
     for row in rows:
@@ -492,7 +546,7 @@ def print_table(rows: list[Row]) -> None:
             + f" {row.total:>8.2f} {row.us_per_rank_tensor:>7.2f}"
             + f" {row.us_per_rank_tensor / base[row.backend]:>6.2f}"
             + f" {sent.get('sharding', 0):>21,} {plan_bytes:>10,} {sent.get('commit', 0):>10,}"
-            + f" {row.received_per_rank / 1e6:>12.1f}"
+            + f" {row.received_per_rank / 1e3:>12,.1f}"
         )
 
 

@@ -9,6 +9,11 @@ routes each collective through :mod:`cloudckpt.dist`, whose waits are bounded an
 name the lost rank (:mod:`cloudckpt.dist_guard`). :func:`save_state_dict` runs DCP's
 plan / write / finish steps with it.
 
+The coordinator scatters each rank only what its step changed in that rank's local
+plan (:class:`~cloudckpt.strategies._dcp_plan.GlobalPlanUpdate`: the items' index
+hints and the writer's storage data) where that is all it changed, instead of the
+whole global plan: a few bytes per item, not growing with the world size.
+
 A :class:`SavePlanCache` (a strategy's ``cached_metadata=True``, Megatron-Core's
 ``ckpt_assume_constant_structure``) keeps the plans of one save for the next: while
 every rank's local plan is the one it had, the plans are not gathered, planned and
@@ -31,6 +36,11 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
+from cloudckpt.strategies._dcp_plan import (
+    GlobalPlanUpdate,
+    apply_global_plan_update,
+    global_plan_updates,
+)
 
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
@@ -205,11 +215,12 @@ def plan_save(
         local_plans.append(writer.prepare_local_plan(planner.create_local_plan()))
         return local_plans[-1]
 
-    def global_step(plans: list[SavePlan]) -> list[SavePlan]:
+    def global_step(plans: list[SavePlan]) -> list[SavePlan | GlobalPlanUpdate]:
         nonlocal global_metadata
         with dist.paused_gc():  # every rank's items, planned at once (see paused_gc)
-            plans, global_metadata = planner.create_global_plan(plans)
-            return writer.prepare_global_plan(plans)
+            planned, global_metadata = planner.create_global_plan(plans)
+            central = writer.prepare_global_plan(planned)
+            return global_plan_updates(planner, planned, central)
 
     cached = _reusable_plans(plan_cache, local_step, wrapper)
     if cached is not None:
@@ -218,7 +229,8 @@ def plan_save(
         if cached.extra is not None:
             writer.mcore_data = dict(cached.extra)  # type: ignore[attr-defined]
     else:
-        central = wrapper.reduce_scatter("plan", local_step, global_step)
+        update = wrapper.reduce_scatter("plan", local_step, global_step)
+        central = apply_global_plan_update(local_plans[-1], update)
         if plan_cache is not None:
             extra = getattr(writer, "mcore_data", None) if wrapper.is_coordinator else None
             plan_cache.store(

@@ -18,12 +18,15 @@ and the caller runs DCP's own step, which gives DCP's results and errors unchang
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -58,13 +61,24 @@ def linear_global_save_plan(
 ) -> tuple[list[SavePlan], Metadata] | None:
     """DCP's default global plans and metadata for ``all_plans`` (no flattening, no
     plan caching), or None where the fast path cannot prove they are those."""
+    planned = _linear_global(all_plans)
+    return None if planned is None else (planned[0], planned[1])
+
+
+def _linear_global(
+    all_plans: Sequence[SavePlan],
+) -> tuple[list[SavePlan], Metadata, list[array.array[int]]] | None:
+    """:func:`linear_global_save_plan`, and per plan the index hint it set on each item
+    (-1: the item is kept as it is)."""
     seen: set[tuple[str, Any]] = set()
     md: dict[str, _STORAGE] = {}
     new_plans = []
+    all_hints = []
     for plan in all_plans:
         if not plan.usable:
             return None
         items = []
+        hints = array.array("q")
         for item in plan.items:
             index = item.index
             unique = (index.fqn, index.offset)
@@ -76,6 +90,7 @@ def linear_global_save_plan(
                     return None
                 md[index.fqn] = BytesStorageMetadata()
                 items.append(item)
+                hints.append(-1)
                 continue
             data = item.tensor_data
             if data is None or data.chunk is None:
@@ -87,13 +102,15 @@ def linear_global_save_plan(
                 item.type != WriteItemType.SHARD
             ):
                 return None
-            items.append(_with_index_hint(item, len(tensor_md.chunks)))
+            hints.append(len(tensor_md.chunks))
+            items.append(_with_index_hint(item, hints[-1]))
             tensor_md.chunks.append(data.chunk)
         new_plans.append(dataclasses.replace(plan, items=items))
+        all_hints.append(hints)
     metadata = Metadata(md)
     if not all(_valid_chunks(v, len(new_plans) > 1) for v in md.values()):
         return None
-    return new_plans, metadata
+    return new_plans, metadata, all_hints
 
 
 def _valid_chunks(value: _STORAGE, check_fill: bool) -> bool:
@@ -129,18 +146,117 @@ def _on_grid(chunks: Iterable[ChunkStorageMetadata], size: tuple[int, ...]) -> b
     return True
 
 
+def share_equal_sizes(plan: SavePlan) -> SavePlan:
+    """``plan`` with its equal ``torch.Size`` values made one object each (an item's
+    index offset and chunk offsets, chunk sizes, global sizes: few distinct ones), so
+    that its pickle refers to each once: the same plan when unpickled, sent and
+    unpickled by the coordinator in fewer bytes and less time. Changes the plan's own
+    (frozen) items in place, as their constructors set their fields; returns it."""
+    pool: dict[torch.Size, torch.Size] = {}
+    for item in plan.items:
+        data = item.tensor_data
+        if data is None:
+            continue
+        chunk = data.chunk
+        chunk.offsets = pool.setdefault(chunk.offsets, chunk.offsets)
+        chunk.sizes = pool.setdefault(chunk.sizes, chunk.sizes)
+        object.__setattr__(data, "size", pool.setdefault(data.size, data.size))
+        offset = item.index.offset
+        if offset is not None:
+            object.__setattr__(item.index, "offset", pool.setdefault(offset, offset))
+    return plan
+
+
 class LinearGlobalPlanMixin(DefaultSavePlanner):
     """A ``DefaultSavePlanner`` whose coordinator step is :func:`linear_global_save_plan`
-    where it applies (``flatten_state_dict`` off, no plan caching), DCP's otherwise."""
+    where it applies (``flatten_state_dict`` off, no plan caching), DCP's otherwise.
+
+    After the fast path, :attr:`index_hints` holds per plan the index hint set on each
+    item (-1: kept): all that step changed (see :func:`global_plan_updates`); None
+    after DCP's own step."""
+
+    index_hints: list[array.array[int]] | None = None
+
+    def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, its equal sizes shared (:func:`share_equal_sizes`)."""
+        return share_equal_sizes(super().create_local_plan())
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         fast = None
+        self.index_hints = None
         if not self.flatten_state_dict and not getattr(self, "_enable_plan_caching", False):
-            fast = linear_global_save_plan(all_plans)
+            fast = _linear_global(all_plans)
         if fast is None:
             return super().create_global_plan(all_plans)
-        self.global_plan, self.metadata = fast
-        return fast
+        self.global_plan, self.metadata, self.index_hints = fast
+        return self.global_plan, self.metadata
 
 
-__all__ = ["LinearGlobalPlanMixin", "linear_global_save_plan"]
+@dataclass(frozen=True)
+class GlobalPlanUpdate:
+    """What the coordinator's step changed in one rank's local plan, when that was only
+    the items' index hints and the plan's fields (the writer's ``storage_data``): what
+    the coordinator scatters instead of the whole global plan (a few bytes per item
+    instead of the items), expanded by the rank with :func:`apply_global_plan_update`.
+
+    Attributes:
+        hints: per item of the local plan, its index hint; -1 keeps the item as it is.
+    """
+
+    hints: array.array[int]
+    storage_data: Any
+    planner_data: Any
+    usable: bool
+
+
+def global_plan_updates(
+    planner: Any, planned: Sequence[SavePlan], central: Sequence[SavePlan]
+) -> list[SavePlan | GlobalPlanUpdate]:
+    """Per rank, what the coordinator scatters: a :class:`GlobalPlanUpdate` where
+    ``planner``'s step only set index hints (its fast path) and the storage writer's
+    ``prepare_global_plan`` kept that step's items (``planned``: the planner's plans,
+    ``central``: the writer's), else the whole global plan."""
+    hints = getattr(planner, "index_hints", None)
+    if hints is None or len(hints) != len(central):
+        return list(central)
+    out: list[SavePlan | GlobalPlanUpdate] = []
+    for plan, new, hinted in zip(planned, central, hints, strict=True):
+        if new.items is plan.items:  # the writer changed no item
+            out.append(GlobalPlanUpdate(hinted, new.storage_data, new.planner_data, new.usable))
+        else:
+            out.append(new)
+    return out
+
+
+def apply_global_plan_update(local: SavePlan, update: SavePlan | GlobalPlanUpdate) -> SavePlan:
+    """The global plan of the rank whose local plan is ``local``: ``update`` itself, or
+    ``local`` with the :class:`GlobalPlanUpdate` applied (the same plan DCP's step
+    gives, index hints included)."""
+    if not isinstance(update, GlobalPlanUpdate):
+        return update
+    if len(update.hints) != len(local.items):
+        raise ValueError(
+            f"the global plan update has {len(update.hints)} index hints for "
+            f"{len(local.items)} items of the local plan"
+        )
+    items = [
+        item if hint < 0 else _with_index_hint(item, hint)
+        for item, hint in zip(local.items, update.hints, strict=True)
+    ]
+    return dataclasses.replace(
+        local,
+        items=items,
+        storage_data=update.storage_data,
+        planner_data=update.planner_data,
+        usable=update.usable,
+    )
+
+
+__all__ = [
+    "GlobalPlanUpdate",
+    "LinearGlobalPlanMixin",
+    "apply_global_plan_update",
+    "global_plan_updates",
+    "linear_global_save_plan",
+    "share_equal_sizes",
+]

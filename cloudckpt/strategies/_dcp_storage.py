@@ -70,7 +70,7 @@ from cloudckpt.strategies._dcp_objects import (
     planned_size,
     without_zip_crc32,
 )
-from cloudckpt.strategies._dcp_ranges import plain_info, with_records
+from cloudckpt.strategies._dcp_ranges import TENSOR_DATA_KEY, RecordedStorageInfo, plain_info
 from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
 from cloudckpt.strategies._item_templates import ItemTemplates
 
@@ -285,15 +285,22 @@ class CloudStorageWriter(StorageWriter):
         :class:`MCoreMetadata`, is unwrapped: no cloudckpt class is pickled into a
         checkpoint that other readers must unpickle) with the merged ``mcore_data``,
         which also records where each tensor item's elements lie within the item
-        (:func:`~cloudckpt.strategies._dcp_ranges.with_records`)."""
+        (:data:`~cloudckpt.strategies._dcp_ranges.TENSOR_DATA_KEY`, as
+        :func:`~cloudckpt.strategies._dcp_ranges.with_records` merges them).
+
+        One pass over the item results builds ``storage_data`` and the records; equal
+        offsets and sizes are made one object (:func:`_share_sizes`), so that the pickle
+        refers to each once: the same ``Metadata`` when unpickled, in fewer bytes and
+        less time on both sides."""
         extra = {**(getattr(metadata, "mcore_data", None) or {}), **self.mcore_data}
         if type(metadata) is not Metadata:
             metadata = Metadata(**{f.name: getattr(metadata, f.name) for f in fields(Metadata)})
         metadata.version = DCP_VERSION
-        metadata.storage_data = {
-            wr.index: plain_info(wr.storage_data) for rank in results for wr in rank
-        }
-        extra = with_records(extra, results)
+        sizes = _share_sizes(metadata)
+        keys = {key: key for key in metadata.state_dict_metadata}
+        metadata.storage_data, tables = _storage_data(results, sizes, keys)
+        for key, table in tables.items():
+            extra[key] = {**extra.get(key, {}), TENSOR_DATA_KEY: table}
         metadata.storage_meta = self.storage_meta()
         if extra:
             metadata.mcore_data = extra  # type: ignore[attr-defined]
@@ -311,6 +318,79 @@ class CloudStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _share_sizes(metadata: Metadata) -> dict[torch.Size, torch.Size]:
+    """Make equal chunk offsets and sizes of ``metadata`` one object each (there are few
+    distinct ones: the chunks of a layout repeat); the pool of them."""
+    pool: dict[torch.Size, torch.Size] = {}
+    for value in metadata.state_dict_metadata.values():
+        for chunk in getattr(value, "chunks", ()):
+            chunk.offsets = pool.setdefault(chunk.offsets, chunk.offsets)
+            chunk.sizes = pool.setdefault(chunk.sizes, chunk.sizes)
+    return pool
+
+
+def _storage_data(
+    results: list[list[DcpWriteResult]],
+    sizes: dict[torch.Size, torch.Size],
+    keys: dict[str, str],
+) -> tuple[dict[MetadataIndex, Any], dict[str, dict[tuple[int, ...], tuple[int, int]]]]:
+    """``Metadata.storage_data`` (each item's DCP ``_StorageInfo``, its record dropped)
+    and per key the records of its items (``{offsets: (start, nbytes)}``), in one pass.
+    Each index's offset and key become the equal ones of ``sizes`` and ``keys`` (the
+    items of one key come from several ranks: as one string, pickled once)."""
+    storage: dict[MetadataIndex, Any] = {}
+    tables: dict[str, dict[tuple[int, ...], tuple[int, int]]] = {}
+    points: dict[torch.Size, tuple[int, ...]] = {}  # the records' keys, one tuple each
+    for rank in results:
+        for result in rank:
+            index, info = result.index, result.storage_data
+            fqn = keys.get(index.fqn)
+            if fqn is not None and fqn is not index.fqn:
+                object.__setattr__(index, "fqn", fqn)  # as MetadataIndex sets it
+            offset = index.offset
+            if offset is not None:
+                shared = sizes.get(offset)
+                if shared is not None and shared is not offset:
+                    object.__setattr__(index, "offset", shared)  # as MetadataIndex sets it
+            if type(info) is RecordedStorageInfo:
+                record = info.record
+                info = _plain_info(info)
+                if record is not None and offset is not None:
+                    table = tables.get(index.fqn)
+                    if table is None:
+                        table = tables[index.fqn] = {}
+                    point = points.get(offset)
+                    if point is None:
+                        point = points[offset] = tuple(offset)
+                    table[point] = (int(record[0]), int(record[1]))
+            storage[index] = info
+    return storage, tables
+
+
+#: building ``_StorageInfo`` from its instance dict is exact only for a dataclass with one
+_FAST_INFO = not hasattr(_StorageInfo, "__slots__") and [f.name for f in fields(_StorageInfo)] == [
+    "relative_path",
+    "offset",
+    "length",
+    "transform_descriptors",
+]
+
+
+def _plain_info(info: RecordedStorageInfo) -> _StorageInfo:
+    """DCP's ``_StorageInfo`` of ``info`` (:func:`~cloudckpt.strategies._dcp_ranges.
+    plain_info`), its instance dict as the constructor makes it, without calling it."""
+    if not _FAST_INFO:
+        return plain_info(info)  # type: ignore[no-any-return]
+    plain = object.__new__(_StorageInfo)
+    plain.__dict__.update(
+        relative_path=info.relative_path,
+        offset=info.offset,
+        length=info.length,
+        transform_descriptors=info.transform_descriptors,
+    )
+    return plain
 
 
 def merge_metadata(parts: list[Metadata]) -> Metadata:

@@ -17,7 +17,7 @@ for raw chunks, only the byte ranges) it overlaps.
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +33,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.manifest import TensorEntry
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from cloudckpt.planning import FlatChunkPlan, plan_flat_chunks
+from cloudckpt.planning import RankFlatPlan, flat_shard_table, plan_flat_exchange
 from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult, open_checkpoint
 from cloudckpt.strategies._zarr_format import (
     ZARRAY,
@@ -185,25 +185,69 @@ class ZarrSaveShardedStrategy(ShardedSaveMixin, SaveShardedStrategy):
         return writes
 
     def _flat_writes(self, tensors: list[ShardedTensor], chunk_size: int | None) -> list[Write]:
-        """Assemble flattened chunks on their planned ranks and return the writes."""
-        mine: dict[ChunkId, dict[int, ShardedTensor]] = defaultdict(dict)
-        with dist.paused_gc():  # every rank's flat shards, unpickled and planned
-            gathered = dist.all_gather_object([t.without_data() for t in tensors])
-            with dist.agree("planning the assembly of flattened chunks"):  # peers must not wait
-                for t in tensors:
-                    if is_main_replica(t.replica_id):
-                        mine[(t.key, _require_index(t))][t.flattened_range.start] = t  # type: ignore[union-attr]
-                buffers, sends, recvs = _exchange_plan(
-                    plan_flat_chunks(gathered), mine, dist.get_rank()
-                )
-            del gathered  # before the collector runs again
+        """Assemble flattened chunks on their planned ranks and return the writes.
+
+        Each rank sends the coordinator a small table of its main-replica pieces
+        (:func:`~cloudckpt.planning.flat_shard_table`); the coordinator alone plans the
+        assembly (:func:`~cloudckpt.planning.plan_flat_exchange`) and sends each rank only
+        its own transfers, so what a rank sends and receives does not grow with the
+        world size. A failure on any rank (here or on the coordinator) is raised on
+        every rank after the plans are scattered, before any tensor moves.
+        """
+        failure: Exception | None = None
+        local: list[tuple[ShardedTensor, tuple[int, ...]]] = []
+        table = None
+        try:
+            local, table = _flat_table(tensors)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement below
+            failure = exc
+        with dist.paused_gc():  # every rank's table, planned at once on the coordinator
+            tables = dist.gather_object(table, what="gathering the flattened pieces")
+            plans: list[RankFlatPlan | None] | None = None
+            if tables is not None:
+                plans, failure = _plan_on_coordinator(tables, failure)
+            plan = dist.scatter_object(plans, what="scattering the flattened chunks' plans")
+            del tables, plans  # before the collector runs again
+        with dist.agree("planning the assembly of flattened chunks"):  # peers must not wait
+            if failure is not None:
+                raise failure
+            buffers, sends, recvs = (
+                _exchange_plan(plan, local) if plan is not None else ([], [], [])
+            )
         dist.exchange_tensors(sends, recvs)
         writes: list[Write] = []
-        for plan, buffer in buffers:
-            sample = next(iter(mine[(plan.key, plan.index)].values()))
+        for sample, index, buffer in buffers:
             meta = _array_meta(sample, chunk_size)
-            writes += _shard_writes(sample, meta, plan.index, tensor_bytes(buffer))
+            writes += _shard_writes(sample, meta, index, tensor_bytes(buffer))
         return writes
+
+
+def _flat_table(
+    tensors: list[ShardedTensor],
+) -> tuple[list[tuple[ShardedTensor, tuple[int, ...]]], Any]:
+    """This rank's main-replica flattened shards (with their chunk index) in the order of
+    the rows of their :func:`~cloudckpt.planning.flat_shard_table`, and the table."""
+    shards = [(t, _require_index(t)) for t in tensors if is_main_replica(t.replica_id)]
+    pieces = []
+    for t, index in shards:
+        rng = t.flattened_range
+        assert rng is not None
+        pieces.append((t.key, index, rng.start, rng.stop, math.prod(chunk_shape(t))))
+    order, table = flat_shard_table(pieces)
+    return [shards[i] for i in order], table
+
+
+def _plan_on_coordinator(
+    tables: list[Any], failure: Exception | None
+) -> tuple[list[RankFlatPlan | None], Exception | None]:
+    """Every rank's plan; None for every rank when a rank sent no table (it failed: it
+    raises in the agreement) or the planning fails (then the coordinator raises it)."""
+    if failure is None and all(t is not None for t in tables):
+        try:
+            return list(plan_flat_exchange(tables)), None
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            failure = exc
+    return [None] * len(tables), failure
 
 
 def _require_index(sh: ShardedTensor) -> tuple[int, ...]:
@@ -222,34 +266,40 @@ def _zarray_write(sh: ShardedTensor, meta: ArrayMeta, index: tuple[int, ...]) ->
 
 
 def _exchange_plan(
-    plans: list[FlatChunkPlan], mine: dict[ChunkId, dict[int, ShardedTensor]], rank: int
-) -> tuple[list[tuple[FlatChunkPlan, torch.Tensor]], list[dist.Transfer], list[dist.Transfer]]:
-    """Chunk buffers this rank assembles, and the transfers that fill them.
+    plan: RankFlatPlan, local: list[tuple[ShardedTensor, tuple[int, ...]]]
+) -> tuple[
+    list[tuple[ShardedTensor, tuple[int, ...], torch.Tensor]],
+    list[dist.Transfer],
+    list[dist.Transfer],
+]:
+    """The chunk buffers this rank assembles (with a shard of each and its chunk index),
+    and the transfers that fill them and the other ranks' buffers.
 
-    The tag of a transfer is its position among all pieces of all plans, which every
-    rank computes identically, so sends and receives pair up.
+    ``local`` holds this rank's pieces in the rows of its table: the rows ``plan`` sends
+    go to their assemblers; every other row is a piece of a chunk this rank assembles.
+    The tags are the coordinator's (unique per piece), so sends and receives pair up.
     """
-    buffers: list[tuple[FlatChunkPlan, torch.Tensor]] = []
     sends: list[dist.Transfer] = []
+    sent = set()
+    for row, assembler, tag in plan.sends.tolist():
+        sent.add(row)
+        sends.append((assembler, tag, _to_host(local[row][0].data)))
+    chunks: dict[ChunkId, torch.Tensor] = {}
+    buffers = []
+    for row, (sh, index) in enumerate(local):
+        if row in sent:
+            continue
+        buffer = chunks.get((sh.key, index))
+        if buffer is None:
+            buffer = chunks[(sh.key, index)] = torch.empty(chunk_shape(sh), dtype=sh.dtype)
+            buffers.append((sh, index, buffer))
+        rng = sh.flattened_range
+        assert rng is not None
+        buffer.view(-1)[rng.start : rng.stop] = _to_host(sh.data)  # type: ignore[arg-type]
     recvs: list[dist.Transfer] = []
-    tag = 0
-    for plan in plans:
-        local = mine.get((plan.key, plan.index), {})
-        buffer = None
-        if plan.assembler == rank:
-            sample = next(iter(local.values()))
-            buffer = torch.empty(chunk_shape(sample), dtype=sample.dtype)
-            buffers.append((plan, buffer))
-        for piece in plan.pieces:
-            tag += 1
-            if piece.rank == rank:
-                data = _to_host(local[piece.start].data)  # type: ignore[arg-type]
-                if buffer is None:
-                    sends.append((plan.assembler, tag, data))
-                else:
-                    buffer.view(-1)[piece.start : piece.stop] = data
-            elif buffer is not None:
-                recvs.append((piece.rank, tag, buffer.view(-1)[piece.start : piece.stop]))
+    for row, peer, start, stop, tag in plan.recvs.tolist():
+        sh, index = local[row]
+        recvs.append((peer, tag, chunks[(sh.key, index)].view(-1)[start:stop]))
     return buffers, sends, recvs
 
 
