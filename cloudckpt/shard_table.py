@@ -129,7 +129,8 @@ def _dataless(sh: ShardedBase) -> ShardedBase:
 
 
 def _ints(values: Sequence[int], width: int) -> list[int]:
-    return [*map(int, values), *(0,) * (width - len(values))]
+    """``values`` padded with zeros to ``width``."""
+    return [*values, *(0,) * (width - len(values))]
 
 
 def _columns(shards: list[ShardedBase]) -> tuple[bytes, np.ndarray, np.ndarray]:

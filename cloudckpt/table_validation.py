@@ -22,6 +22,7 @@ decoded once per group. The checks then run on arrays and only *prove validity*:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
@@ -115,6 +116,7 @@ class Group:
     def kinds(self) -> np.ndarray:
         return self.part.columns[:, KIND]
 
+    @functools.cached_property
     def dynamic(self) -> np.ndarray:
         """[ranks, 4, rows]: cell, main, start, stop."""
         return np.stack([t.dynamic for t in self.tables])
@@ -156,7 +158,7 @@ class Gathered:
         """Per rank and object row of ``group``: the index of its unique key in the
         returned distinct unique keys."""
         rows = np.flatnonzero(group.kinds == OBJECT)
-        cells = group.dynamic()[:, 0, rows].astype(np.int64)  # [ranks, object rows]
+        cells = group.dynamic[:, 0, rows].astype(np.int64)  # [ranks, object rows]
         pairs = np.stack([np.broadcast_to(rows, cells.shape), cells], -1).reshape(-1, 2)
         distinct, inverse = np.unique(pairs, axis=0, return_inverse=True)
         inverse = inverse.reshape(cells.shape)
@@ -333,7 +335,7 @@ def _group_cells(
     ranges starting at 0, of those ending at their chunk's size, and ``chunk, start`` /
     ``chunk, stop`` of the other flattened main ranges (as ``chunk * bound + value``).
     Keys with an odd shard (off the grid, bad range) are marked in ``bad``."""
-    dyn = group.dynamic()  # [ranks, 4, rows]
+    dyn = group.dynamic  # [ranks, 4, rows]
     gids = group.gids
     cell, main, start, stop = (dyn[:, i] for i in range(4))
     odd = cell < 0
