@@ -25,6 +25,7 @@ from cloudckpt.keys import KeyLayout
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from cloudckpt.shard_table import ShardTable, decode_static, rebuild_shards
 from cloudckpt.table_validation import Gathered, check_gathered_tables, check_shards
+from tests.test_validation_fast import layout as fast_layout
 
 World = list[list[ShardedBase]]
 URI = "s3://bucket/ckpt"
@@ -425,3 +426,49 @@ def test_an_empty_rank_and_an_empty_world() -> None:
     plain = ShardedTensor("p", None, torch.float32, (2,), (2,), (0,), (1,))
     assert assert_same_verdict([[], [plain], []]) is None
     assert assert_same_verdict([[]]) is None
+
+
+def test_only_the_broken_key_is_rebuilt() -> None:
+    """In a valid world of many ranks, one broken key is the only one not proven valid
+    (the others never become objects again), and the error is the object checks' one."""
+    world = fast_layout()
+    victim = world[5][0]
+    assert isinstance(victim, ShardedTensor)
+    moved = copy.copy(victim)
+    moved.global_offset = (moved.global_offset[0] + 1, *moved.global_offset[1:])
+    world[5][0] = moved
+    gathered = Gathered.of(travelled(world))
+    assert gathered is not None
+    suspicious = gathered.suspicious_keys()
+    assert [gathered.names[i] for i in suspicious] == [victim.key]
+    rebuilt = gathered.shards_of(suspicious)
+    assert {sh.key for shards in rebuilt for sh in shards} == {victim.key}
+    found = assert_same_verdict(world)
+    assert found is not None and "not aligned to the chunk grid" in found[1]
+
+
+def test_a_valid_world_of_many_ranks_is_proven_without_objects() -> None:
+    gathered = Gathered.of(travelled(fast_layout()))
+    assert gathered is not None
+    assert len(gathered.groups) < len(fast_layout())  # DP replicas share static parts
+    assert gathered.suspicious_keys().size == 0
+
+
+def test_random_valid_layouts_are_proven_by_the_arrays_but_uneven_keys() -> None:
+    """Only uneven keys are left to the object checks, so the agreement tests exercise
+    the array proofs."""
+    proven = 0
+    for seed in range(100):
+        world = random_world(random.Random(seed))
+        gathered = Gathered.of(travelled(world))
+        assert gathered is not None
+        for i in gathered.suspicious_keys().tolist():
+            shapes = {
+                sh.local_shape
+                for shards in world
+                for sh in shards
+                if sh.key == gathered.names[i] and isinstance(sh, ShardedTensor)
+            }
+            assert len(shapes) > 1, (seed, gathered.names[i])
+        proven += len(gathered.names) - gathered.suspicious_keys().size
+    assert proven > 200
