@@ -49,7 +49,7 @@ from cloudckpt.mapping import (
     apply_factories,
 )
 from cloudckpt.redact import redact_uri
-from cloudckpt.shard_table import ShardTable
+from cloudckpt.shard_table import ShardTable, check_metadata
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint, validate_relpath
 from cloudckpt.storage.staging import StagingStorage
 from cloudckpt.strategies.async_utils import AsyncRequest
@@ -319,6 +319,8 @@ class SaveSession:
             shards = [
                 v for part in parts[:2] for v in nested_values(part) if isinstance(v, ShardedBase)
             ]
+            if validate:
+                check_metadata(shards)
             table = ShardTable.of(shards)  # the shards' metadata, in columns
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)

@@ -120,6 +120,15 @@ class ShardTable:
         return len(self.shards) if self.shards is not None else self.dynamic.shape[1]
 
 
+def check_metadata(shards: Iterable[ShardedBase]) -> None:
+    """Run each ShardedTensor's and ShardedObject's own metadata checks on it without
+    its data, as ``without_data`` does (a shard edited after it was made fails here, on
+    its rank). Raises what ``validate_metadata_integrity`` raises."""
+    for sh in shards:
+        if isinstance(sh, ShardedTensor | ShardedObject):
+            _dataless(sh).validate_metadata_integrity()
+
+
 def _dataless(sh: ShardedBase) -> ShardedBase:
     """A copy of ``sh`` without data, made without re-running its constructor's checks
     (``without_data`` would: a shard edited after it was made may fail them)."""

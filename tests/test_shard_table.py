@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import cloudckpt
 from cloudckpt.errors import (
     InvalidKeyError,
     KeyCollisionError,
@@ -472,3 +473,41 @@ def test_random_valid_layouts_are_proven_by_the_arrays_but_uneven_keys() -> None
             assert len(shapes) > 1, (seed, gathered.names[i])
         proven += len(gathered.names) - gathered.suspicious_keys().size
     assert proven > 200
+
+
+def _state(edit: Callable[[ShardedTensor], None] | None = None) -> dict[str, Any]:
+    weight = ShardedTensor.from_rank_offsets("w", torch.ones(2, 3))
+    half = ShardedTensor.from_rank_offsets("h", torch.ones(4))
+    if edit is not None:
+        edit(half)
+    return {"w": weight, "h": half, "rng": ShardedObject("rng", 7, (1,), (0,)), "step": 3}
+
+
+@pytest.mark.parametrize("backend", ["zarr", "torch_dist"])
+def test_a_save_checks_keys_and_sharding_through_tables(tmp_path, backend: str) -> None:
+    """One process's save: valid state saves and loads back; a shard edited after it
+    was made fails on its rank with its own metadata error; a sharding error names
+    the key; an invalid key fails even without the sharding checks."""
+    uri = str(tmp_path / "ok")
+    cloudckpt.save(_state(), uri, (backend, 1))
+    loaded = cloudckpt.load(_state(), uri)
+    assert torch.equal(loaded["w"], torch.ones(2, 3)) and loaded["step"] == 3
+
+    def grow(sh: ShardedTensor) -> None:
+        sh.global_offset = (2,)  # 2 + 4 > 4: the constructor refuses it
+
+    with pytest.raises(ShardingValidationError, match=r"Invalid ShardedTensor 'h'.*exceeds"):
+        cloudckpt.save(_state(grow), str(tmp_path / "grown"), (backend, 1))
+
+    def not_main(sh: ShardedTensor) -> None:
+        sh.replica_id = 1
+
+    with pytest.raises(ShardingValidationError, match="tensor 'h': 1 chunk"):
+        cloudckpt.save(_state(not_main), str(tmp_path / "no-main"), (backend, 1))
+    state = _state()
+    state["other"] = ShardedObject("w", None, (1,), (0,))
+    with pytest.raises(ShardingValidationError, match="used by ShardedObject and ShardedTensor"):
+        cloudckpt.save(state, str(tmp_path / "both"), (backend, 1))
+    state["other"] = ShardedTensor.from_rank_offsets("../up", torch.ones(1))
+    with pytest.raises(InvalidKeyError, match=r"tensor '\.\./up' \(rank 0\)"):
+        cloudckpt.save(state, str(tmp_path / "reserved"), (backend, 1), None, False)
