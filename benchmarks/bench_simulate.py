@@ -15,11 +15,12 @@ ShardedObject (``rng_state``). The inputs of each step are what the real collect
 deliver: each rank's payload is pickled as the object collectives pickle it, and unpickled
 once per rank on the simulating core, as the receiving rank does. Then the real functions run:
 
-* ``gather``: unpickling every rank's sharding metadata on the coordinator
-  (``SaveSession._check_every_rank``'s ``gather_object``);
-* ``validate``: ``gather_keys`` + ``validate_key_set`` + ``validate_gathered_sharding``,
-  what the coordinator runs on the gathered metadata before anything is written (its
-  verdict is broadcast: every rank raises the same error);
+* ``gather``: unpickling every rank's sharding metadata, its ``ShardTable`` (columns;
+  built on each rank, untimed), on the coordinator (``SaveSession._check_every_rank``'s
+  ``gather_object``);
+* ``validate``: ``check_gathered_tables`` (keys and sharding, vectorized), what the
+  coordinator runs on the gathered tables before anything is written (its verdict is
+  broadcast: every rank raises the same error);
 * ``plan``: zarr: the coordinator's step of ``ZarrSaveShardedStrategy._flat_writes``:
   unpickling every rank's table of flattened pieces (``flat_shard_table``, gathered on
   the coordinator only), ``plan_flat_exchange``, and pickling each rank's part for the
@@ -77,11 +78,12 @@ from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from cloudckpt.commit import COORDINATOR, build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
-from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
+from cloudckpt.keys import KeyLayout
 from cloudckpt.manifest import CommitRecord, Manifest
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from cloudckpt.planning import RankFlatPlan, chunk_plans, plan_flat_exchange
-from cloudckpt.session import validate_gathered_sharding
+from cloudckpt.session import regular_grid_for
+from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
 from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
@@ -94,6 +96,7 @@ from cloudckpt.strategies.torch import (
     to_dcp_state_dict,
 )
 from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy, _array_meta, _flat_table
+from cloudckpt.table_validation import check_gathered_tables
 from cloudckpt.validation import chunk_index
 
 _T = TypeVar("_T")
@@ -261,12 +264,12 @@ def simulate(
     (:func:`cloudckpt.dist.paused_gc`: the gathers and the checks of what they gather)."""
     row = Row(backend, world.size, tensors, world.tp, world.pp, world.dp)
     shards_of = rank_shards(world, tensors)
-    local = [[s.without_data() for s in shards_of(r)] for r in range(world.size)]
+    tables = [ShardTable.of(shards_of(r)) for r in range(world.size)]  # each rank's payload
     with _paused(pause_gc):  # SaveSession._prepare
-        gathered = _exchange(row, "gather", "sharding", local)
-        local.clear()
+        gathered = _exchange(row, "gather", "sharding", tables)
+        tables.clear()
         if validate:
-            _timed(row, "validate", lambda: check(gathered, backend))
+            _timed(row, "validate", lambda: check_tables(gathered, backend))
         gathered.clear()
     if backend == "zarr":
         records = _zarr_steps(row, world, shards_of, pause_gc)
@@ -303,7 +306,7 @@ def _paused(pause_gc: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def gathered_metadata(world: World, tensors: int) -> list[list[ShardedBase]]:
-    """Every rank's shards without data (what the validation gathers), not pickled."""
+    """Every rank's shards without data (what each rank's ShardTable holds)."""
     shards_of = rank_shards(world, tensors)
     return [[s.without_data() for s in shards_of(r)] for r in range(world.size)]
 
@@ -324,16 +327,17 @@ def materialize(shards: list[ShardedBase]) -> dict[str, ShardedBase]:
 
 
 def check(gathered: list[list[ShardedBase]], backend: str) -> None:
-    """What the coordinator runs on the gathered metadata of a save
-    (``SaveSession._check_every_rank``)."""
-    objects_with_tensors = backend == "torch_dist"
-    validate_key_set(
-        gather_keys(dict(enumerate(gathered))),
-        KeyLayout.of(backend, objects_with_tensors),
-        URI,
-        0,
-    )
-    validate_gathered_sharding(gathered, backend, URI)
+    """The checks of a save of every rank's shards (``gathered[rank]``): each rank's
+    ShardTable, pickled and unpickled as the gather does, then :func:`check_tables`."""
+    tables = [ShardTable.of(shards) for shards in gathered]
+    check_tables([pickle.loads(pickle.dumps(t)) for t in tables], backend)
+
+
+def check_tables(tables: list[ShardTable], backend: str) -> None:
+    """What the coordinator runs on the gathered tables of a save
+    (``SaveSession._check_gathered``)."""
+    layout = KeyLayout.of(backend, objects_with_tensors=backend == "torch_dist")
+    check_gathered_tables(tables, layout, URI, 0, True, regular_grid_for(backend))
 
 
 # -- zarr ------------------------------------------------------------------------------------

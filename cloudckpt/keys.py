@@ -120,7 +120,13 @@ def merge_key_sets(sets: Iterable[KeySet]) -> KeySet:
     return _sorted(tensors), _sorted(objects)
 
 
-def _sorted(found: dict[str, set[int]]) -> dict[str, tuple[int, ...]]:
+def key_set(tensors: Mapping[str, Iterable[int]], objects: Mapping[str, Iterable[int]]) -> KeySet:
+    """The key set of tensor keys and object unique keys -> the ranks holding each,
+    ordered as :func:`gather_keys` orders it."""
+    return _sorted(tensors), _sorted(objects)
+
+
+def _sorted(found: Mapping[str, Iterable[int]]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(sorted(v)) for k, v in sorted(found.items(), key=lambda kv: str(kv[0]))}
 
 

@@ -37,7 +37,7 @@ from cloudckpt.errors import (
     CheckpointingException,
     CommonStateError,
 )
-from cloudckpt.keys import KeyLayout, gather_keys, merge_key_sets, validate_key_set
+from cloudckpt.keys import KeyLayout
 from cloudckpt.manifest import Manifest, common_key_paths
 from cloudckpt.mapping import (
     LocalNonpersistentObject,
@@ -49,6 +49,7 @@ from cloudckpt.mapping import (
     apply_factories,
 )
 from cloudckpt.redact import redact_uri
+from cloudckpt.shard_table import ShardTable, check_metadata
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint, validate_relpath
 from cloudckpt.storage.staging import StagingStorage
 from cloudckpt.strategies.async_utils import AsyncRequest
@@ -66,6 +67,7 @@ from cloudckpt.strategies.bound import (
     bind_common_saver,
     bind_sharded_saver,
 )
+from cloudckpt.table_validation import check_gathered_tables
 from cloudckpt.validation import (
     validate_sharding_integrity,
 )
@@ -314,28 +316,25 @@ class SaveSession:
         with dist.agree(f"preparing checkpoint {shown!r}"):
             apply_factories(sharded_state_dict)
             parts = split_state_dict(sharded_state_dict)
-            if validate:  # the shards' metadata travels: without their data
-                local = [
-                    *local_metadata(parts[0], shown, check_keys=False),
-                    *local_metadata(parts[1], shown, check_keys=False),
-                ]
-            else:  # only their keys travel (_check_every_rank): no copies needed
-                local = [v for v in nested_values(parts[3]) if isinstance(v, ShardedBase)]
+            shards = [
+                v for part in parts[:2] for v in nested_values(part) if isinstance(v, ShardedBase)
+            ]
+            if validate:
+                check_metadata(shards)
+            table = ShardTable.of(shards)  # the shards' metadata, in columns
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)
         with dist.paused_gc():  # every rank's metadata, unpickled and checked
-            self._check_every_rank(local, validate)
+            self._check_every_rank(table, validate)
         return parts, common_bytes
 
-    def _check_every_rank(self, local: list[ShardedBase], validate: bool) -> None:
-        """Gather every rank's keys (``validate``: and sharding metadata) on the
-        coordinator, check them there, and raise its verdict on every rank (the same
-        error everywhere). Only the coordinator receives and unpickles the metadata:
-        with an all-gather every rank held every rank's (at 4,096 ranks x 2,000 tensors,
-        8 million shard records in each process)."""
-        rank = dist.get_rank()
-        payload: Any = local if validate else gather_keys({rank: local})
-        gathered = dist.gather_object(payload, dst=COORDINATOR, what="gathering every rank's keys")
+    def _check_every_rank(self, table: ShardTable, validate: bool) -> None:
+        """Gather every rank's keys and sharding metadata (:class:`ShardTable`) on the
+        coordinator, check the keys (``validate``: and the sharding) there, and raise its
+        verdict on every rank (the same error everywhere). Only the coordinator
+        receives the tables: with an all-gather every rank held every rank's (at 4,096
+        ranks x 2,000 tensors, 8 million shard records in each process)."""
+        gathered = dist.gather_object(table, dst=COORDINATOR, what="gathering every rank's keys")
         failure: BaseException | None = None
         if gathered is not None:
             try:
@@ -350,14 +349,17 @@ class SaveSession:
         if verdict is not None:
             raise verdict
 
-    def _check_gathered(self, gathered: list[Any], validate: bool) -> None:
+    def _check_gathered(self, gathered: Sequence[ShardTable], validate: bool) -> None:
         """The coordinator's checks of every rank's keys (and sharding)."""
-        shown = self.storage.uri
-        keys = gather_keys(dict(enumerate(gathered))) if validate else merge_key_sets(gathered)
-        layout = KeyLayout.of(self.backends.sharded_backend, self.objects_with_tensors)
-        validate_key_set(keys, layout, shown, dist.get_rank())
-        if validate:
-            validate_gathered_sharding(gathered, self.backends.sharded_backend, shown)
+        backend = self.backends.sharded_backend
+        check_gathered_tables(
+            gathered,
+            KeyLayout.of(backend, self.objects_with_tensors),
+            self.storage.uri,
+            dist.get_rank(),
+            sharding=validate,
+            regular_grid_for=regular_grid_for(backend),
+        )
 
     def _write(
         self,
@@ -419,8 +421,12 @@ def validate_gathered_sharding(
     """Check the sharding of every rank's gathered shards for a save by
     ``sharded_backend`` (zarr needs a regular grid). Pure: every rank calls it on the
     same gathered metadata, so every rank raises the same error."""
-    grid = sharded_backend if sharded_backend in REGULAR_GRID_BACKENDS else None
-    validate_sharding_integrity(gathered, shown, grid)
+    validate_sharding_integrity(gathered, shown, regular_grid_for(sharded_backend))
+
+
+def regular_grid_for(sharded_backend: str) -> str | None:
+    """``sharded_backend`` when it needs every tensor on a regular grid, else None."""
+    return sharded_backend if sharded_backend in REGULAR_GRID_BACKENDS else None
 
 
 def check_common_consistency(
