@@ -109,17 +109,6 @@ def gather_keys(per_rank: Mapping[int, Iterable[ShardedBase]]) -> KeySet:
     return _sorted(tensors), _sorted(objects)
 
 
-def merge_key_sets(sets: Iterable[KeySet]) -> KeySet:
-    """One key set of several (each rank's own, gathered)."""
-    tensors: dict[str, set[int]] = defaultdict(set)
-    objects: dict[str, set[int]] = defaultdict(set)
-    for rank_tensors, rank_objects in sets:
-        for merged, part in ((tensors, rank_tensors), (objects, rank_objects)):
-            for key, ranks in part.items():
-                merged[key].update(ranks)
-    return _sorted(tensors), _sorted(objects)
-
-
 def key_set(tensors: Mapping[str, Iterable[int]], objects: Mapping[str, Iterable[int]]) -> KeySet:
     """The key set of tensor keys and object unique keys -> the ranks holding each,
     ordered as :func:`gather_keys` orders it."""

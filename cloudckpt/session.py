@@ -68,9 +68,6 @@ from cloudckpt.strategies.bound import (
     bind_sharded_saver,
 )
 from cloudckpt.table_validation import check_gathered_tables
-from cloudckpt.validation import (
-    validate_sharding_integrity,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -413,15 +410,6 @@ def _writes_through_storage(strategy: Any) -> bool:
         return True
     base = getattr(strategy, "base_strategy", None)
     return base is not None and _writes_through_storage(base)
-
-
-def validate_gathered_sharding(
-    gathered: Sequence[Sequence[ShardedBase]], sharded_backend: str, shown: str
-) -> None:
-    """Check the sharding of every rank's gathered shards for a save by
-    ``sharded_backend`` (zarr needs a regular grid). Pure: every rank calls it on the
-    same gathered metadata, so every rank raises the same error."""
-    validate_sharding_integrity(gathered, shown, regular_grid_for(sharded_backend))
 
 
 def regular_grid_for(sharded_backend: str) -> str | None:
