@@ -286,16 +286,26 @@ def claim(storage: CheckpointStorage) -> WriteResult | None:
     result = None
     with dist.agree(f"claiming checkpoint {storage.uri!r}"):
         if dist.get_rank() == COORDINATOR:
-            _warn_if_not_exclusive(storage)
-            try:
-                result = storage.write(CLAIM_FNAME, _claim_document(), exclusive=True)
-            except ObjectExistsError as exc:
-                raise CommitConflictError(
-                    f"checkpoint {storage.uri!r} is already being written or was written by "
-                    f"another job ({CLAIM_FNAME} exists: {describe_claim(storage)}); choose "
-                    "a new URI"
-                ) from exc
+            result = write_claim(storage)
     return result
+
+
+def write_claim(storage: CheckpointStorage) -> WriteResult:
+    """Create the claim object, create-only (the coordinator's part of :func:`claim`,
+    for a caller that lets every rank learn of its failure in its own collective).
+
+    Raises:
+        CommitConflictError: another job claimed the URI first.
+    """
+    _warn_if_not_exclusive(storage)
+    try:
+        return storage.write(CLAIM_FNAME, _claim_document(), exclusive=True)
+    except ObjectExistsError as exc:
+        raise CommitConflictError(
+            f"checkpoint {storage.uri!r} is already being written or was written by "
+            f"another job ({CLAIM_FNAME} exists: {describe_claim(storage)}); choose "
+            "a new URI"
+        ) from exc
 
 
 def commit(
@@ -306,11 +316,13 @@ def commit(
     common_keys: Sequence[str] = (),
     *,
     claimed: WriteResult | None = None,
+    digests: Sequence[bytes] | None = None,
 ) -> Manifest | None:
     """Gather every rank's write results on the coordinator (the only rank that needs
     them), which writes ``manifest.json`` (create-only) and then ``metadata.json``.
     Collective: an all-gather of each rank's 16-byte tensor digest (ranks with equal
-    tensor entries send them once, a piece each), then a gather of each rank's
+    tensor entries send them once, a piece each; skipped when the caller gathered
+    ``digests`` in a collective of its own), then a gather of each rank's
     :class:`~cloudckpt.manifest.CommitRecord` on the coordinator.
 
     Args:
@@ -320,6 +332,8 @@ def commit(
         common_keys: the common state's key paths (from the rank that saved it).
         claimed: the coordinator's claim; the commit is refused when the claim was
             removed or replaced meanwhile (``cloudckpt gc``, another job).
+        digests: every rank's :func:`~cloudckpt.manifest.tensors_digest` of its
+            ``tensors``, by rank, when the caller gathered them.
 
     Returns:
         The manifest on the coordinator, None on the other ranks.
@@ -333,9 +347,10 @@ def commit(
     with dist.paused_gc():  # every rank's records, unpickled and merged by the coordinator
         record = CommitRecord.of(results, tensors, common_keys)
         # ranks with equal tensor entries (replicas) send them once, a piece each
-        digests = dist.all_gather_object(
-            record.digest, what=f"committing checkpoint {storage.uri!r}: tensor digests"
-        )
+        if digests is None:
+            digests = dist.all_gather_object(
+                record.digest, what=f"committing checkpoint {storage.uri!r}: tensor digests"
+            )
         record = record.piece(*tensor_piece(digests, dist.get_rank()))
         # only the coordinator merges them: the other ranks send, and receive nothing
         gathered = dist.gather_object(record, COORDINATOR)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cloudckpt import dist
-from cloudckpt.commit import claim, commit, require_empty
+from cloudckpt.commit import commit, require_empty, write_claim
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dict_utils import (
@@ -38,7 +38,13 @@ from cloudckpt.errors import (
     CommonStateError,
 )
 from cloudckpt.keys import KeyLayout
-from cloudckpt.manifest import Manifest, common_key_paths
+from cloudckpt.manifest import (
+    Manifest,
+    TensorEntry,
+    common_key_paths,
+    tensors_digest,
+    tensors_text,
+)
 from cloudckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -224,14 +230,21 @@ class SaveSession:
         on the coordinator."""
         started = time.perf_counter()
         shown = self.storage.uri
-        parts, common_bytes = self._prepare(sharded_state_dict, validate)
-        if validate:
-            check_common_consistency(parts[2], preprocess_common, shown)
-        claimed = claim(self.storage)
+        parts, common_bytes, claimed = self._prepare(
+            sharded_state_dict, validate, preprocess_common
+        )
         results: list[WriteResult] = [claimed] if claimed is not None else []
-        with dist.agree(f"saving checkpoint {shown!r}"), logged_failure("save", shown):
-            results += self._write(parts, common_bytes)
-        manifest = self._commit(parts, results, claimed)
+        entries: list[TensorEntry] = []
+
+        def write() -> bytes:  # this rank's objects; its tensors' digest for the commit
+            with logged_failure("save", shown):
+                results.extend(self._write(parts, common_bytes))
+                entries.extend(self._tensor_entries(parts))
+            return tensors_digest(tensors_text(entries))
+
+        # one collective: every rank learns of any rank's failure, and gets the digests
+        digests = dist.all_gather_agreed(f"saving checkpoint {shown!r}", write)
+        manifest = self._commit(parts, results, claimed, entries, digests)
         log_rate("saved", shown, sum(r.size for r in results), len(results), started)
         return manifest
 
@@ -258,10 +271,9 @@ class SaveSession:
                 f"Cannot apply async_save to non-async strategy {self.sharded}: it writes "
                 f"{shown!r} itself, so its writes cannot be staged (rank {dist.get_rank()})"
             )
-        parts, common_bytes = self._prepare(sharded_state_dict, validate)
-        if validate:
-            check_common_consistency(parts[2], preprocess_common, shown)
-        claimed = claim(self.storage)
+        parts, common_bytes, claimed = self._prepare(
+            sharded_state_dict, validate, preprocess_common
+        )
         staging = StagingStorage.over(self.storage)
         results: list[WriteResult] = [claimed] if claimed is not None else []
         staged: StagedSave | None = None
@@ -287,29 +299,44 @@ class SaveSession:
 
         return AsyncRequest(upload, (), [finalize])
 
+    def _tensor_entries(self, parts: StateParts) -> list[TensorEntry]:
+        """This rank's stored tensors, as the manifest records them."""
+        shards = [v for v in nested_values(parts[1]) if isinstance(v, ShardedTensor)]
+        return self.sharded.tensor_entries(shards, self.config)
+
     def _commit(
-        self, parts: StateParts, results: list[WriteResult], claimed: WriteResult | None
+        self,
+        parts: StateParts,
+        results: list[WriteResult],
+        claimed: WriteResult | None,
+        entries: list[TensorEntry] | None = None,
+        digests: list[bytes] | None = None,
     ) -> Manifest | None:
-        _, tensors, common, _ = parts
-        shards = [v for v in nested_values(tensors) if isinstance(v, ShardedTensor)]
+        common = parts[2]
         return commit(
             self.storage,
             results,
             self.backends,
-            self.sharded.tensor_entries(shards, self.config),
+            self._tensor_entries(parts) if entries is None else entries,
             common_key_paths(common) if dist.get_rank() == COORDINATOR else [],
             claimed=claimed,
+            digests=digests,
         )
 
     def _prepare(
-        self, sharded_state_dict: ShardedStateDict, validate: bool
-    ) -> tuple[StateParts, bytes | None]:
+        self,
+        sharded_state_dict: ShardedStateDict,
+        validate: bool,
+        preprocess_common: PreprocessCommon | None = None,
+    ) -> tuple[StateParts, bytes | None, WriteResult | None]:
         """Apply factories, split, serialize the common state (coordinator), then check
-        every rank's keys and (``validate``) the sharding, before anything is written.
-        Returns the parts and the serialized common state (None: the common strategy
-        serializes it when writing)."""
+        every rank's keys and (``validate``) the sharding and common state, and claim the
+        URI, before anything is written. Returns the parts, the serialized common state
+        (None: the common strategy serializes it when writing) and the claim's write
+        result (the coordinator's; None elsewhere)."""
         shown = self.storage.uri
         common_bytes = None
+        compared: StateDict | None = None  # this rank's common state, as compared
         with dist.agree(f"preparing checkpoint {shown!r}"):
             apply_factories(sharded_state_dict)
             parts = split_state_dict(sharded_state_dict)
@@ -318,33 +345,47 @@ class SaveSession:
             ]
             if validate:
                 check_metadata(shards)
+                if dist.get_world_size() > 1:
+                    compared = preprocess_common(parts[2]) if preprocess_common else parts[2]
             table = ShardTable.of(shards)  # the shards' metadata, in columns
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)
         with dist.paused_gc():  # every rank's metadata, unpickled and checked
-            self._check_every_rank(table, validate)
-        return parts, common_bytes
+            claimed, reference = self._check_every_rank(table, validate, compared)
+        if compared is not None and dist.get_rank() != COORDINATOR:
+            warn_if_common_differs(reference, compared, shown)
+        return parts, common_bytes, claimed
 
-    def _check_every_rank(self, table: ShardTable, validate: bool) -> None:
+    def _check_every_rank(
+        self, table: ShardTable, validate: bool, compared: StateDict | None
+    ) -> tuple[WriteResult | None, Any]:
         """Gather every rank's keys and sharding metadata (:class:`ShardTable`) on the
-        coordinator, check the keys (``validate``: and the sharding) there, and raise its
-        verdict on every rank (the same error everywhere). Only the coordinator
-        receives the tables: with an all-gather every rank held every rank's (at 4,096
-        ranks x 2,000 tensors, 8 million shard records in each process)."""
+        coordinator, check the keys (``validate``: and the sharding) there, claim the
+        URI if they pass, and raise its verdict on every rank (the same error
+        everywhere). Only the coordinator receives the tables: with an all-gather every
+        rank held every rank's (at 4,096 ranks x 2,000 tensors, 8 million shard records
+        in each process). The verdict's broadcast also carries the coordinator's common
+        state as compared (``compared``), which the other ranks compare theirs with.
+        Returns the claim's write result (coordinator) and that common state."""
         gathered = dist.gather_object(table, dst=COORDINATOR, what="gathering every rank's keys")
         failure: BaseException | None = None
+        claimed = None
         if gathered is not None:
             try:
                 self._check_gathered(gathered, validate)
+                claimed = write_claim(self.storage)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 failure = exc
-        verdict = dist.broadcast_object(
-            _travelling(failure), src=COORDINATOR, what="the checks of every rank's keys"
+        verdict, reference = dist.broadcast_object(
+            (_travelling(failure), compared if gathered is not None else None),
+            src=COORDINATOR,
+            what="the checks of every rank's keys and the claim",
         )
         if failure is not None:
             raise failure
         if verdict is not None:
             raise verdict
+        return claimed, reference
 
     def _check_gathered(self, gathered: Sequence[ShardTable], validate: bool) -> None:
         """The coordinator's checks of every rank's keys (and sharding)."""
@@ -417,20 +458,11 @@ def regular_grid_for(sharded_backend: str) -> str | None:
     return sharded_backend if sharded_backend in REGULAR_GRID_BACKENDS else None
 
 
-def check_common_consistency(
-    common: StateDict, preprocess: PreprocessCommon | None, shown: str
-) -> None:
-    """Compare every rank's common state (after ``preprocess``, which must not modify
-    it) with rank 0's and log at WARNING where they differ, as Megatron-Core does (only
-    rank 0's is saved). Collective; a no-op in a world of one."""
-    if dist.get_world_size() == 1:
-        return
-    with dist.agree(f"preprocessing the common state of {shown!r}"):
-        mine = preprocess(common) if preprocess is not None else common
-    reference = dist.broadcast_object(mine if dist.get_rank() == COORDINATOR else None)
+def warn_if_common_differs(reference: StateDict, mine: StateDict, shown: str) -> None:
+    """Log at WARNING where this rank's common state (after the caller's preprocessing,
+    which must not modify it) differs from rank 0's, as Megatron-Core does (only rank
+    0's is saved)."""
     rank = dist.get_rank()
-    if rank == COORDINATOR:
-        return
     only_rank0, only_here, mismatch = diff(reference, mine)
     if only_rank0 or only_here or mismatch:
         logger.warning(
