@@ -352,7 +352,7 @@ class SaveSession:
                 common_bytes = serialize_common(self.common, parts[2], shown)
         with dist.paused_gc():  # every rank's metadata, unpickled and checked
             claimed, reference = self._check_every_rank(table, validate, compared)
-        if compared is not None and dist.get_rank() != COORDINATOR:
+        if compared is not None and reference is not None:
             warn_if_common_differs(reference, compared, shown)
         return parts, common_bytes, claimed
 
@@ -365,19 +365,25 @@ class SaveSession:
         everywhere). Only the coordinator receives the tables: with an all-gather every
         rank held every rank's (at 4,096 ranks x 2,000 tensors, 8 million shard records
         in each process). The verdict's broadcast also carries the coordinator's common
-        state as compared (``compared``), which the other ranks compare theirs with.
-        Returns the claim's write result (coordinator) and that common state."""
+        state as compared (``compared``, pickled before the claim: a state that cannot
+        travel fails the checks, not the broadcast after the claim), which the other
+        ranks compare theirs with. Returns the claim's write result (coordinator) and
+        that common state (the other ranks)."""
         gathered = dist.gather_object(table, dst=COORDINATOR, what="gathering every rank's keys")
         failure: BaseException | None = None
         claimed = None
+        reference: bytes | None = None
         if gathered is not None:
             try:
                 self._check_gathered(gathered, validate)
+                if compared is not None:
+                    reference = _pickled_reference(compared, self.storage.uri)
                 claimed = write_claim(self.storage)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 failure = exc
+                reference = None
         verdict, reference = dist.broadcast_object(
-            (_travelling(failure), compared if gathered is not None else None),
+            (_travelling(failure), reference),
             src=COORDINATOR,
             what="the checks of every rank's keys and the claim",
         )
@@ -385,7 +391,9 @@ class SaveSession:
             raise failure
         if verdict is not None:
             raise verdict
-        return claimed, reference
+        if gathered is not None or reference is None:
+            return claimed, None
+        return claimed, pickle.loads(reference)  # the coordinator's, of this job
 
     def _check_gathered(self, gathered: Sequence[ShardTable], validate: bool) -> None:
         """The coordinator's checks of every rank's keys (and sharding)."""
@@ -497,6 +505,18 @@ def serialize_common(saver: CommonSaver, common: StateDict, uri: str) -> bytes |
         return None
     except Exception as exc:  # whatever the pickler raised, named
         raise common_state_error(common, exc, uri) from exc
+
+
+def _pickled_reference(compared: StateDict, uri: str) -> bytes:
+    """The coordinator's common state as compared (after the caller's preprocessing),
+    pickled for the other ranks' comparison.
+
+    Raises:
+        CommonStateError: naming the value that cannot be pickled."""
+    try:
+        return pickle.dumps(compared, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # whatever the pickler raised, named
+        raise common_state_error(compared, exc, uri) from exc
 
 
 def common_state_error(common: StateDict, exc: BaseException, uri: str) -> CommonStateError:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import cloudckpt
+from cloudckpt.manifest import CLAIM_FNAME
 
 
 def _count_save_collectives(rank: int, world: int, root: str, backend: str) -> dict[str, Any]:
@@ -67,3 +68,33 @@ def test_a_save_shares_collectives_between_its_phases(
         assert out["step"] == 0
         differs = [w for w in out["warnings"] if "common state dict differs" in w]
         assert bool(differs) == (rank != 0), out["warnings"]
+
+
+def _unpicklable_reference(rank: int, world: int, root: str) -> str:
+    """Rank 0's preprocessed common state cannot be pickled: the save fails on every rank."""
+    from tests.test_multirank import tp_state  # noqa: PLC0415
+
+    def preprocess(common: dict[str, Any]) -> dict[str, Any]:
+        return {**common, "fn": lambda: rank}  # a lambda does not pickle
+
+    try:
+        cloudckpt.save(
+            tp_state(rank, tp=2),
+            os.path.join(root, "ckpt"),
+            preprocess_common_before_consistancy_check=preprocess,
+        )
+    except cloudckpt.CheckpointingException as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_common_state_that_cannot_travel_fails_every_rank_before_the_claim(
+    rank_pool: Any, tmp_path: Path
+) -> None:
+    """The coordinator pickles its common state for the comparison before it claims the
+    URI: the failure is its verdict, on every rank, and nothing is written."""
+    for message in rank_pool.run(_unpicklable_reference, str(tmp_path)):
+        assert message != "saved"
+        assert "cannot be serialized" in message and "'fn'" in message, message
+    assert not os.path.exists(tmp_path / "ckpt" / CLAIM_FNAME)
+    assert not os.path.exists(tmp_path / "ckpt" / "metadata.json")
