@@ -108,6 +108,7 @@ WEIGHTS = (  # (name, local shape for hidden size h and TP, axis split over TP o
 )
 MOMENTS = ("exp_avg", "exp_avg_sq")
 URI = "s3://simulated/ckpt"
+_pickled = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)  # as dist_objects
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ def _exchange(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
     out = []
     gc.collect()
     for payload in payloads:
-        raw = pickle.dumps(payload)
+        raw = _pickled(payload)
         row.bytes_per_rank[name] = max(row.bytes_per_rank.get(name, 0), len(raw))
         out.append(_timed(row, step, functools.partial(pickle.loads, raw)))
     return out
@@ -292,7 +293,7 @@ def merge(row: Row, records: list[Any], backend: str) -> Manifest:
     ]
     digests = _exchange(row, "merge", "commit_digest", [r.digest for r in local])
     sent = [r.piece(*tensor_piece(digests, i)) for i, r in enumerate(local)]
-    row.bytes_per_rank["commit_mean"] = sum(len(pickle.dumps(r)) for r in sent) // len(sent)
+    row.bytes_per_rank["commit_mean"] = sum(len(_pickled(r)) for r in sent) // len(sent)
     local.clear()
     gathered = _exchange(row, "merge", "commit", sent)
     sent.clear()
@@ -397,7 +398,7 @@ def _scatter(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
     sizes (8 bytes per rank); unpickle each (the coordinator's own timed: every rank
     unpickles its own at once)."""
     gc.collect()
-    raws = [_timed(row, step, functools.partial(pickle.dumps, p)) for p in payloads]
+    raws = [_timed(row, step, functools.partial(_pickled, p)) for p in payloads]
     row.bytes_received[name] = max(len(r) for r in raws) + 8 * len(raws)
     out = [pickle.loads(r) for r in raws[1:]]
     return [_timed(row, step, functools.partial(pickle.loads, raws[0])), *out]
