@@ -72,7 +72,9 @@ _PROBES: tuple[tuple[str, str, str], ...] = (
         "determine_main_replica_uniform_distribution",
         "fp.determine (gather+plan)",
     ),
-    ("cloudckpt.strategies.fully_parallel", "_validate_distributed", "fp.validate"),
+    ("cloudckpt.strategies.fully_parallel", "_gather_shard_metadata", "fp.gather metadata"),
+    ("cloudckpt.strategies.fully_parallel", "_check_group_replicas", "fp.check in group"),
+    ("cloudckpt.strategies.fully_parallel", "_validate_distributed", "fp.validate (world)"),
     ("cloudckpt.strategies.fully_parallel:_DistributionCache", "reusable", "fp.cache check"),
     (
         "cloudckpt.strategies.fully_parallel",
@@ -95,6 +97,11 @@ _PROBES: tuple[tuple[str, str, str], ...] = (
         "base.load_from (read)",
     ),
     ("cloudckpt.strategies.fully_parallel", "exchange_by_distribution", "fp.exchange tensors"),
+    (
+        "cloudckpt.strategies.fully_parallel:FullyParallelLoadStrategyWrapper",
+        "_exchange",
+        "fp.exchange tensors",
+    ),
     (
         "cloudckpt.strategies.fully_parallel",
         "exchange_loaded_objects_gather_object",
