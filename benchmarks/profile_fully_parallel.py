@@ -21,8 +21,9 @@ rank 0's are printed.
     PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_fully_parallel.py --size 2GiB \
         --repeat 2 --cprofile /tmp/fp-prof
 
-Printed per label and phase: the slowest rank's wall time, the mean CPU per rank (the
-measure on a shared machine: wall time is noisy), and calls per rank; then the bytes
+Printed per label and phase: the slowest rank's wall time, the mean and the largest CPU
+per rank (the measure on a shared machine: wall time is noisy; the largest is the
+critical path where ranks do not share cores), and calls per rank; then the bytes
 written per rank (the balance). Times are summed over the rounds of a label and divided
 by their number.
 """
@@ -270,15 +271,16 @@ def _report(per_rank: list[dict[str, Any]]) -> str:
     for label in labels:
         rounds = per_rank[0]["rounds"][label]
         lines.append(f"\n{label} (mean of {rounds} round(s))")
-        lines.append(f"  {'phase':34} {'wall max':>9} {'CPU mean':>9} {'calls':>6}")
+        lines.append(f"  {'phase':34} {'wall max':>9} {'CPU mean':>9} {'CPU max':>9} {'calls':>6}")
         names = per_rank[0]["phases"][label]
         for name in names:
             found = [r["phases"][label].get(name) for r in per_rank]
             phases = [p for p in found if p is not None]
             wall = max(p["wall"] for p in phases) / rounds
             cpu = sum(p["cpu"] for p in phases) / len(per_rank) / rounds
+            cpu_max = max(p["cpu"] for p in phases) / rounds
             calls = max(p["calls"] for p in phases) / rounds
-            lines.append(f"  {name:34} {wall:9.3f} {cpu:9.3f} {calls:6.1f}")
+            lines.append(f"  {name:34} {wall:9.3f} {cpu:9.3f} {cpu_max:9.3f} {calls:6.1f}")
         if label.endswith("-save"):
             written = [r["written"].get(label, 0) / rounds / 2**20 for r in per_rank]
             shown = " ".join(f"{w:8.1f}" for w in written)

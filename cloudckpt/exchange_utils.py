@@ -324,12 +324,18 @@ BROADCAST_BUCKET_BYTES = 64 * 2**20
 """The most bytes of shards the broadcast exchange sends in one broadcast (a larger
 shard goes alone): few collectives for many small shards, bounded extra memory."""
 
+BROADCAST_ALONE_BYTES = 2**20
+"""A shard of at least this many bytes is broadcast alone, straight from the loaded
+tensor and into the requested one: no copy into or out of a bucket, where the
+collective's latency is small beside the bytes."""
+
 
 def _broadcast_buckets(
     shard_distribution: ShardDistribution, limit: int | None = None
 ) -> list[tuple[int, list[tuple[_ShardId, int]]]]:
     """The exchanged shards as ``(loading rank, [(shard id, bytes)])`` buckets: each
-    rank's shards in distribution order, cut at ``limit`` bytes (default
+    rank's shards in distribution order, a shard of :data:`BROADCAST_ALONE_BYTES` or
+    more alone, the smaller ones cut at ``limit`` bytes (default
     :data:`BROADCAST_BUCKET_BYTES`). The same on every rank (it depends on the
     distribution only)."""
     limit = BROADCAST_BUCKET_BYTES if limit is None else limit
@@ -340,11 +346,16 @@ def _broadcast_buckets(
     buckets: list[tuple[int, list[tuple[_ShardId, int]]]] = []
     for rank in sorted(by_rank):
         current: list[tuple[_ShardId, int]] = []
+        filled = 0
         for shard_id, size in by_rank[rank]:
-            if current and sum(n for _, n in current) + size > limit:
+            if size >= BROADCAST_ALONE_BYTES:
+                buckets.append((rank, [(shard_id, size)]))
+                continue
+            if current and filled + size > limit:
                 buckets.append((rank, current))
-                current = []
+                current, filled = [], 0
             current.append((shard_id, size))
+            filled += size
         if current:
             buckets.append((rank, current))
     return buckets

@@ -26,6 +26,7 @@ from cloudckpt.strategies.fully_parallel import (
     _check_group_replicas,
 )
 from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+from cloudckpt.utils import _sharded_tensor_shard_id
 
 
 def _costs_scenario(rank: int, world: int, base: str) -> dict[str, Any]:
@@ -142,3 +143,61 @@ def test_a_save_distribution_checks_the_groups_replicas() -> None:
         _check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 8, 1, torch.bfloat16)]])
     with pytest.raises(CheckpointingException, match=r"\(8,\).*\(4,\)"):
         _check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 4, 1)]])
+
+
+# -- the broadcast exchange: large shards alone, straight into the requested tensors -----
+
+
+def _broadcast_scenario(rank: int, world: int) -> dict[str, Any]:
+    """Every rank requests 'big' (1,024 bytes) and 'small' (64 bytes) tensors held by
+    all; with shards of 512 bytes or more broadcast alone, the big ones are received
+    into the requested tensors without a bucket, the small ones through buckets."""
+    from cloudckpt import exchange_utils as ex  # noqa: PLC0415
+
+    def truth(key: str, numel: int) -> torch.Tensor:
+        return torch.arange(numel, dtype=torch.float32) + sum(map(ord, key))
+
+    sizes = {f"big{i}": 256 for i in range(4)} | {f"small{i}": 16 for i in range(6)}
+    state = {
+        key: ShardedTensor.from_rank_offsets(key, torch.zeros(n), replica_id=rank)
+        for key, n in sizes.items()
+    }
+    scattered: list[str] = []
+    original_scatter, original_alone = ex._scatter_bucket, ex.BROADCAST_ALONE_BYTES
+
+    def recording(payload: Any, bucket: Any, needed: Any, result: Any) -> None:
+        scattered.extend(shard_id[0] for shard_id, _ in bucket if shard_id in needed)
+        original_scatter(payload, bucket, needed, result)
+
+    ex._scatter_bucket, ex.BROADCAST_ALONE_BYTES = recording, 512
+    try:
+        distribution = ex.determine_main_replica_uniform_distribution(state, None, True)
+        assert distribution is not None
+        ids = {_sharded_tensor_shard_id(sh): sh for sh in state.values()}
+        mine = {sid for sid, r in distribution.main_rank_for_shard.items() if r == rank}
+        loaded = {sid: truth(sid[0], sizes[sid[0]]) for sid in mine}
+        unloaded = {sid: sh for sid, sh in ids.items() if sid not in mine}
+        buckets = ex._broadcast_buckets(distribution)
+        out = ex.exchange_loaded_tensors_broadcast(loaded, unloaded, distribution)
+    finally:
+        ex._scatter_bucket, ex.BROADCAST_ALONE_BYTES = original_scatter, original_alone
+    for sid, sh in ids.items():
+        assert torch.equal(out[sid], truth(sid[0], sizes[sid[0]])), sid
+        if sid in unloaded:
+            assert out[sid] is sh.data
+    return {
+        "scattered": sorted(scattered),
+        "buckets": [(r, [sid[0] for sid, _ in b]) for r, b in buckets],
+    }
+
+
+def test_large_shards_are_broadcast_alone_into_the_requested_tensors(rank_pool: Any) -> None:
+    outs = rank_pool.run(_broadcast_scenario)
+    assert all(out["buckets"] == outs[0]["buckets"] for out in outs)  # the same everywhere
+    alone = [keys for _, keys in outs[0]["buckets"] if keys[0].startswith("big")]
+    assert sorted(k for keys in alone for k in keys) == [f"big{i}" for i in range(4)]
+    assert all(len(keys) == 1 for keys in alone)
+    small = [keys for _, keys in outs[0]["buckets"] if keys[0].startswith("small")]
+    assert sum(map(len, small)) == 6 and max(map(len, small)) > 1
+    for out in outs:  # every rank received some small shards through a bucket, no big one
+        assert out["scattered"] and all(k.startswith("small") for k in out["scattered"])
