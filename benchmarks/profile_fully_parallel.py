@@ -281,6 +281,10 @@ def _report(per_rank: list[dict[str, Any]]) -> str:
             cpu_max = max(p["cpu"] for p in phases) / rounds
             calls = max(p["calls"] for p in phases) / rounds
             lines.append(f"  {name:34} {wall:9.3f} {cpu:9.3f} {cpu_max:9.3f} {calls:6.1f}")
+        totals = [
+            r["phases"][label]["total (barrier to barrier)"]["cpu"] / rounds for r in per_rank
+        ]
+        lines.append("  CPU s per rank (total):" + " ".join(f"{t:8.3f}" for t in totals))
         if label.endswith("-save"):
             written = [r["written"].get(label, 0) / rounds / 2**20 for r in per_rank]
             shown = " ".join(f"{w:8.1f}" for w in written)
