@@ -19,7 +19,18 @@ default the world; usually the data-parallel group is what the replicas span):
   default, or Megatron's ``"gather_object"`` / ``"gather_rounds"``; gloo on CPU
   works), instead of every replica downloading it. ShardedObjects, when the wrapped
   strategy reads them, are read by the rank holding their main replica and shared
-  with ``all_gather_object``.
+  with ``all_gather_object``: the one that also agrees, across the world, that every
+  rank's reads succeeded (the wrapped strategy is called once, for the objects and
+  tensors together).
+
+What each adds to a plain save or load, in collectives: a save, one (the gather of
+the group's metadata when the distribution is computed, checked on that metadata
+without gathering it again across the world; or the cache's integer all-reduce); a
+load, two (the distribution's, and the agreement on the reads that carries the
+objects), plus the exchange's broadcasts (no check-in: they follow that agreement).
+On one host a fully parallel load cannot beat a plain one: the exchange moves, over
+the process group's transport, the bytes each replica would otherwise read from the
+page cache (``benchmarks/profile_fully_parallel.py`` measures both).
 
 Both wrappers work with cloudckpt's sessions (``save_to`` / ``load_from`` on the
 checkpoint the session opened) and through the seeds' URI methods; in a group of one
