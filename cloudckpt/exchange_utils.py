@@ -65,8 +65,7 @@ def _shard_shape(sh_ten: ShardedTensor) -> tuple[int, ...]:
 
 def _shard_size(sh_ten: ShardedTensor) -> int:
     """Bytes of the shard's data."""
-    itemsize = torch.empty((), dtype=sh_ten.dtype).element_size()
-    return math.prod(_shard_shape(sh_ten)) * itemsize
+    return math.prod(_shard_shape(sh_ten)) * sh_ten.dtype.itemsize
 
 
 def _comm_device(group: Any = None) -> torch.device:
@@ -153,13 +152,33 @@ def determine_main_replica_uniform_distribution(
     Returns:
         The distribution, or None for a group of one rank.
     """
-    group_size = dist.get_world_size(parallelization_group)
-    if group_size <= 1:
+    if dist.get_world_size(parallelization_group) <= 1:
         return None
+    gathered = _gather_shard_metadata(sharded_state_dict, parallelization_group)
+    return _distribution_of(gathered, ignore_groups)
+
+
+def _gather_shard_metadata(
+    sharded_state_dict: ShardedStateDict, parallelization_group: Any
+) -> list[list[ShardedTensor]]:
+    """Every rank's ShardedTensors of the group, without data, indexed by group rank
+    (one ``all_gather_object``; the only collective of a distribution)."""
     local = [
         v.without_data() for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)
     ]
-    gathered = dist.all_gather_object(local, group=parallelization_group)
+    return dist.all_gather_object(local, group=parallelization_group)
+
+
+def _distribution_of(
+    gathered: list[list[ShardedTensor]], ignore_groups: bool = False
+) -> ShardDistribution:
+    """The distribution of the group whose ranks hold ``gathered`` (no collective: the
+    same on every rank given the same input; see
+    :func:`determine_main_replica_uniform_distribution`).
+
+    Every shard whose main replica is in the group is balanced by bytes over the ranks
+    that hold it, the shards a single rank holds (which it must write anyway) first: a
+    rank with more bytes of its own gets fewer replicated bytes."""
     shard_to_ranks: dict[_ShardId, list[int]] = defaultdict(list)
     shard_to_size: dict[_ShardId, int] = {}
     shard_to_metadata: dict[_ShardId, ShardedTensor] = {}
@@ -176,7 +195,9 @@ def determine_main_replica_uniform_distribution(
     in_group = set(shard_to_ranks) if ignore_groups else has_main
     ranks_in_group = {k: v for k, v in shard_to_ranks.items() if k in in_group}
     cross_loads = in_group - has_main  # main replica in another group: last
-    main_rank = distribute_shards_to_ranks(ranks_in_group, shard_to_size, group_size, cross_loads)
+    main_rank = distribute_shards_to_ranks(
+        ranks_in_group, shard_to_size, len(gathered), cross_loads
+    )
     return ShardDistribution(main_rank, in_group, shard_to_metadata, ranks_in_group)
 
 
@@ -303,12 +324,18 @@ BROADCAST_BUCKET_BYTES = 64 * 2**20
 """The most bytes of shards the broadcast exchange sends in one broadcast (a larger
 shard goes alone): few collectives for many small shards, bounded extra memory."""
 
+BROADCAST_ALONE_BYTES = 2**20
+"""A shard of at least this many bytes is broadcast alone, straight from the loaded
+tensor and into the requested one: no copy into or out of a bucket, where the
+collective's latency is small beside the bytes."""
+
 
 def _broadcast_buckets(
     shard_distribution: ShardDistribution, limit: int | None = None
 ) -> list[tuple[int, list[tuple[_ShardId, int]]]]:
     """The exchanged shards as ``(loading rank, [(shard id, bytes)])`` buckets: each
-    rank's shards in distribution order, cut at ``limit`` bytes (default
+    rank's shards in distribution order, a shard of :data:`BROADCAST_ALONE_BYTES` or
+    more alone, the smaller ones cut at ``limit`` bytes (default
     :data:`BROADCAST_BUCKET_BYTES`). The same on every rank (it depends on the
     distribution only)."""
     limit = BROADCAST_BUCKET_BYTES if limit is None else limit
@@ -319,11 +346,16 @@ def _broadcast_buckets(
     buckets: list[tuple[int, list[tuple[_ShardId, int]]]] = []
     for rank in sorted(by_rank):
         current: list[tuple[_ShardId, int]] = []
+        filled = 0
         for shard_id, size in by_rank[rank]:
-            if current and sum(n for _, n in current) + size > limit:
+            if size >= BROADCAST_ALONE_BYTES:
+                buckets.append((rank, [(shard_id, size)]))
+                continue
+            if current and filled + size > limit:
                 buckets.append((rank, current))
-                current = []
+                current, filled = [], 0
             current.append((shard_id, size))
+            filled += size
         if current:
             buckets.append((rank, current))
     return buckets
@@ -338,23 +370,46 @@ def exchange_loaded_tensors_broadcast(
 ) -> dict[_ShardId, torch.Tensor]:
     """Exchange loaded shards by broadcasts from their loading ranks: the shards of one
     loading rank go concatenated, up to :data:`BROADCAST_BUCKET_BYTES` per broadcast
-    (Megatron-Core broadcasts each shard alone: one collective per shard).
+    (Megatron-Core broadcasts each shard alone: one collective per shard); a shard
+    alone in its bucket is received straight into the requested tensor.
 
     Returns:
         ``loaded_tensors`` plus every shard of ``unloaded_shards`` received.
     """
+    return _exchange_broadcast(
+        loaded_tensors, unloaded_shards, shard_distribution, parallelization_group
+    )
+
+
+@torch.no_grad()
+def _exchange_broadcast(
+    loaded_tensors: Mapping[_ShardId, torch.Tensor],
+    unloaded_shards: Mapping[_ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution,
+    parallelization_group: Any = None,
+    *,
+    check_in: bool = True,
+) -> dict[_ShardId, torch.Tensor]:
+    """:func:`exchange_loaded_tensors_broadcast`; ``check_in=False`` skips the
+    check-in barrier where the caller has just completed a collective over the group
+    (the fully parallel load's agreement on its reads): every rank is known present,
+    and each broadcast is still awaited with :func:`cloudckpt.dist.await_collective`."""
     with debug_time("exchange_loaded_tensors_broadcast", logger):
         local_rank = dist.get_rank(parallelization_group)
         device = _comm_device(parallelization_group)
         result = dict(loaded_tensors)
-        dist.check_in("exchanging loaded shards", parallelization_group)
+        if check_in:
+            dist.check_in("exchanging loaded shards", parallelization_group)
         for rank, bucket in _broadcast_buckets(shard_distribution):
-            if rank == local_rank:
+            sent = rank == local_rank
+            direct = None if sent else _direct_target(bucket, unloaded_shards, device)
+            if sent:
                 parts = [_as_bytes(result[shard_id]) for shard_id, _ in bucket]
                 payload = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device)
+            elif direct is not None:
+                payload = direct.reshape(-1).view(torch.uint8)
             else:
-                total = sum(size for _, size in bucket)
-                payload = torch.empty(total, dtype=torch.uint8, device=device)
+                payload = torch.empty(sum(n for _, n in bucket), dtype=torch.uint8, device=device)
             src = (
                 rank
                 if parallelization_group is None
@@ -366,16 +421,49 @@ def exchange_loaded_tensors_broadcast(
             dist.await_collective(
                 "exchanging loaded shards (broadcast)", work, parallelization_group
             )
-            if rank == local_rank:
+            if sent:
                 continue
-            offset = 0
-            for shard_id, size in bucket:
-                if shard_id in unloaded_shards:
-                    target = _receive_target(shard_id, unloaded_shards)
-                    piece = payload[offset : offset + size]
-                    result[shard_id] = _fill(target, piece.to(target.device))
-                offset += size
+            if direct is not None:
+                result[bucket[0][0]] = direct
+                continue
+            _scatter_bucket(payload, bucket, unloaded_shards, result)
         return result
+
+
+def _direct_target(
+    bucket: list[tuple[_ShardId, int]],
+    needed: Mapping[_ShardId, ShardedTensor],
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The requested tensor a one-shard bucket can be received into as it is (this rank
+    needs it, and it is contiguous, of the bucket's size, on ``device``), else None."""
+    if len(bucket) != 1 or bucket[0][0] not in needed:
+        return None
+    shard_id, size = bucket[0]
+    target = _receive_target(shard_id, needed)
+    fits = (
+        target.is_contiguous()
+        and target.device == device
+        and target.numel() * target.element_size() == size
+        and not is_float8tensor(target)
+    )
+    return target if fits else None
+
+
+def _scatter_bucket(
+    payload: torch.Tensor,
+    bucket: list[tuple[_ShardId, int]],
+    needed: Mapping[_ShardId, ShardedTensor],
+    result: dict[_ShardId, torch.Tensor],
+) -> None:
+    """Copy the shards of a received bucket that this rank needs into their tensors."""
+    offset = 0
+    for shard_id, size in bucket:
+        if shard_id in needed:
+            target = _receive_target(shard_id, needed)
+            piece = payload[offset : offset + size]
+            result[shard_id] = _fill(target, piece.to(target.device))
+        offset += size
 
 
 _EXCHANGE_FUNCTIONS = {

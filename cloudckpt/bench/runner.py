@@ -310,16 +310,19 @@ def _dp_group(spec: WorkloadSpec, rank: int) -> Any:
     return groups[rank % spec.tp]
 
 
-def fully_parallel_strategies(spec: WorkloadSpec, rank: int, backend: str) -> _Strategies:
-    """The backend's default strategies wrapped to spread over the data-parallel group.
-    Collective (it creates the groups)."""
+def fully_parallel_strategies(
+    spec: WorkloadSpec, rank: int, backend: str, cache: bool = False
+) -> _Strategies:
+    """The backend's default strategies wrapped to spread over the data-parallel group;
+    ``cache``: ``do_cache_distribution`` (Megatron-LM passes its
+    ``ckpt_assume_constant_structure``). Collective (it creates the groups)."""
     group = _dp_group(spec, rank)
     save = get_default_save_sharded_strategy(backend)
     load = get_default_strategy(StrategyAction.LOAD_SHARDED, backend, 1)
     return _Strategies(
         "_fully_parallel",
-        FullyParallelSaveStrategyWrapper(save, group),
-        FullyParallelLoadStrategyWrapper(load, group),
+        FullyParallelSaveStrategyWrapper(save, group, do_cache_distribution=cache),
+        FullyParallelLoadStrategyWrapper(load, group, do_cache_distribution=cache),
     )
 
 
@@ -579,7 +582,9 @@ def _bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> 
     _warm_up(rank, run, options)
     extra = RankExtras()
     if options.fully_parallel:
-        extra.parallel = fully_parallel_strategies(spec, rank, options.backend)
+        extra.parallel = fully_parallel_strategies(
+            spec, rank, options.backend, cache=options.constant_structure
+        )
     if options.constant_structure:
         extra.constant = TorchDistSaveShardedStrategy(cached_metadata=True)
     for _ in range(options.repeat):

@@ -19,7 +19,18 @@ default the world; usually the data-parallel group is what the replicas span):
   default, or Megatron's ``"gather_object"`` / ``"gather_rounds"``; gloo on CPU
   works), instead of every replica downloading it. ShardedObjects, when the wrapped
   strategy reads them, are read by the rank holding their main replica and shared
-  with ``all_gather_object``.
+  with ``all_gather_object``: the one that also agrees, across the world, that every
+  rank's reads succeeded (the wrapped strategy is called once, for the objects and
+  tensors together).
+
+What each adds to a plain save or load, in collectives: a save, one (the gather of
+the group's metadata when the distribution is computed, checked on that metadata
+without gathering it again across the world; or the cache's integer all-reduce); a
+load, two (the distribution's, and the agreement on the reads that carries the
+objects), plus the exchange's broadcasts (no check-in: they follow that agreement).
+On one host a fully parallel load cannot beat a plain one: the exchange moves, over
+the process group's transport, the bytes each replica would otherwise read from the
+page cache (``benchmarks/profile_fully_parallel.py`` measures both).
 
 Both wrappers work with cloudckpt's sessions (``save_to`` / ``load_from`` on the
 checkpoint the session opened) and through the seeds' URI methods; in a group of one
@@ -50,12 +61,14 @@ from cloudckpt.dict_utils import (
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.exchange_utils import (
     ShardDistribution,
+    _distribution_of,
+    _exchange_broadcast,
+    _gather_shard_metadata,
+    _merge_unique,
     determine_main_replica_uniform_distribution,
     exchange_by_distribution,
-    exchange_loaded_objects_gather_object,
 )
 from cloudckpt.mapping import (
-    ShardedBase,
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
@@ -77,7 +90,6 @@ from cloudckpt.strategies.bound import (
     bind_sharded_saver,
 )
 from cloudckpt.utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId
-from cloudckpt.validation import validate_sharding_integrity
 
 if TYPE_CHECKING:
     from cloudckpt.config import CheckpointConfig
@@ -91,6 +103,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T", ShardedObject, ShardedTensor)
 
 EXCHANGE_ALGOS = ("broadcast", "gather_object", "gather_rounds")
+
+_OBJECTS, _TENSORS = "objects", "tensors"
+"""The two parts of a fully parallel load's one call of the wrapped strategy."""
 
 Structure = tuple[Hashable, ...]
 """What a cached distribution depends on: this rank's shards, sorted."""
@@ -254,9 +269,14 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
         """Choose which rank writes each shard and set the replica ids accordingly.
 
-        Collective over the parallelization group (metadata only). The first
-        distribution is checked across the world: every tensor is still covered
-        exactly once by main replicas.
+        Collective over the parallelization group: one ``all_gather_object`` of the
+        shards' metadata when the distribution is computed, one integer all-reduce when
+        a cached one is checked. A computed distribution is checked on the gathered
+        metadata, without another collective (:func:`_check_group_replicas`): the
+        sharding across the world was validated by the save before (Megatron-Core
+        gathers every rank's metadata across the world again to validate it); moving
+        the main replica of a shard between the group's ranks that hold it keeps every
+        tensor covered exactly once by main replicas.
         """
         started = time.perf_counter()
         group = self.parallelization_group
@@ -267,12 +287,12 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
         if cached:
             distribution = self._cache.distribution
         else:
-            distribution = determine_main_replica_uniform_distribution(sharded_state_dict, group)
+            gathered = _gather_shard_metadata(sharded_state_dict, group)
+            _check_group_replicas(gathered)
+            distribution = _distribution_of(gathered)
         distribute_main_replicas_with_precomputed_distribution(
             sharded_state_dict, group, distribution
         )
-        if not cached:
-            _validate_distributed(sharded_state_dict)
         if self.do_cache_distribution:
             self._cache.store(distribution, structure)
         logger.debug(
@@ -366,12 +386,37 @@ class _StagedWrites:
         return self._results
 
 
-def _validate_distributed(sharded_state_dict: ShardedStateDict) -> None:
-    """Check, across the world, that the new replica ids cover every tensor once."""
-    local = [
-        sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)
-    ]
-    validate_sharding_integrity(dist.all_gather_object(local))
+def _check_group_replicas(gathered: list[list[ShardedTensor]]) -> None:
+    """Check the group's gathered shards before a save distribution moves their main
+    replicas: the ranks holding a shard agree on its dtype and shape, and at most one
+    of them holds its main replica. The same verdict on every rank (the same input).
+
+    Raises:
+        CheckpointingException: a shard held with different dtypes or shapes, or with
+            several main replicas, in the group.
+    """
+    seen: dict[_ShardId, tuple[str, tuple[int, ...], int]] = {}
+    mains: dict[_ShardId, list[int]] = {}
+    for rank, shards in enumerate(gathered):
+        for sh in shards:
+            shard_id = _sharded_tensor_shard_id(sh)
+            described = (str(sh.dtype), tuple(sh.local_shape), rank)
+            first = seen.setdefault(shard_id, described)
+            if first[:2] != described[:2]:
+                raise CheckpointingException(
+                    f"fully parallel save: shard {shard_id} is {first[0]} {first[1]} on "
+                    f"group rank {first[2]} but {described[0]} {described[1]} on group "
+                    f"rank {rank}"
+                )
+            if is_main_replica(sh.replica_id):
+                mains.setdefault(shard_id, []).append(rank)
+    several = {k: v for k, v in mains.items() if len(v) > 1}
+    if several:
+        shown = sorted((str(k), v) for k, v in several.items())[:5]
+        raise CheckpointingException(
+            f"fully parallel save: {len(several)} shard(s) have several main replicas "
+            f"in the parallelization group (shard, group ranks): {shown}"
+        )
 
 
 class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrategy):
@@ -441,8 +486,10 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
         Steps: (1) the ranks exchange the metadata of what they request; (2) each
         computes the same assignment of shards to readers; (3) each reads its shards
         (and the ShardedObjects whose main replica it holds); (4) the read tensors and
-        objects are exchanged. A read failing on one rank fails on every rank of the
-        group before the exchange starts.
+        objects are exchanged. A read failing on one rank fails on every rank before
+        the exchange starts: the agreement on the reads is one ``all_gather_object``
+        over the world that also carries the objects read (so the world is joined
+        once, and the broadcasts of the exchange need no check-in of their own).
         """
         group = self.parallelization_group
         if dist.get_world_size(group) <= 1:
@@ -459,15 +506,23 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
                 f"fully parallel load got {len(leftover)} value(s) that are neither "
                 f"ShardedTensors nor ShardedObjects: {leftover[:5]}"
             )
-        with dist.agree("reading this rank's share of a fully parallel load", group):
-            # the wrapped strategy is called even with nothing to read (it may be collective)
-            loaded_objects: dict[_ShardId, Any] = read(objects_to_load)
-            loaded_tensors: dict[_ShardId, torch.Tensor] = read(to_load)
-        all_tensors = exchange_by_distribution(
-            loaded_tensors, unloaded, distribution, group, self.exchange_algo
+        tensors_read: dict[_ShardId, torch.Tensor] = {}
+
+        def read_share() -> dict[_ShardId, Any]:
+            # one call of the wrapped strategy for the objects and tensors this rank
+            # reads (called even with nothing to read: it may be collective)
+            got = read({_OBJECTS: objects_to_load, _TENSORS: to_load})
+            tensors_read.update(got.get(_TENSORS) or {})
+            return dict(got.get(_OBJECTS) or {})
+
+        # one collective of the world: the agreement on the reads carries the objects
+        # read (Megatron-Core all-gathers them across the world after the exchange)
+        objects_read = dist.all_gather_agreed(
+            "reading this rank's share of a fully parallel load", read_share
         )
+        all_tensors = self._exchange(tensors_read, unloaded, distribution)
         _require_received(unloaded, all_tensors, "tensor")
-        all_objects = exchange_loaded_objects_gather_object(loaded_objects)
+        all_objects = _merge_unique(objects_read, "object")
         _require_received(objects_unloaded, all_objects, "object")
         self.fill_in_deferred_sharded_tensors(tensors, all_tensors)
         self.fill_in_deferred_sharded_objects(objects, all_objects)
@@ -475,6 +530,23 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
         merge(result, objects)
         merge(result, tensors)
         return result
+
+    def _exchange(
+        self,
+        loaded_tensors: dict[_ShardId, torch.Tensor],
+        unloaded: dict[_ShardId, ShardedTensor],
+        distribution: ShardDistribution,
+    ) -> dict[_ShardId, torch.Tensor]:
+        """Exchange the read tensors (right after the agreement on the reads, a
+        collective of the world, so the broadcast exchange needs no check-in)."""
+        group = self.parallelization_group
+        if self.exchange_algo == "broadcast":
+            return _exchange_broadcast(
+                loaded_tensors, unloaded, distribution, group, check_in=False
+            )
+        return exchange_by_distribution(
+            loaded_tensors, unloaded, distribution, group, self.exchange_algo
+        )
 
     def apply_loading_parallelization(
         self, sharded_state_dict: ShardedStateDict
