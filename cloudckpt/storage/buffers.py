@@ -81,6 +81,10 @@ class BufferReader(io.RawIOBase):
     def __getitem__(self, index: slice) -> BufferReader:
         return BufferReader(self._view[index])
 
+    def remaining(self) -> memoryview:
+        """The bytes from the current position on (no copy)."""
+        return self._view[self._pos :]
+
     def readable(self) -> bool:
         return True
 

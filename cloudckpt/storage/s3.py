@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+import ipaddress
 import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
+import aiohttp.payload
 import fsspec
 import fsspec.asyn
 
@@ -320,9 +323,10 @@ async def _call_once(fs: Any, timeout_s: float, method: str, **kwargs: Any) -> A
     server-side encryption settings) still apply."""
     await fs.set_session()
     client = await fs.get_s3(kwargs.get("Bucket"))
-    client.meta.events.register_first(
-        "needs-retry.s3", _one_botocore_attempt, unique_id=_ONE_ATTEMPT_HOOK
-    )
+    events = client.meta.events
+    events.register_first("needs-retry.s3", _one_botocore_attempt, unique_id=_ONE_ATTEMPT_HOOK)
+    events.register_first("before-sign.s3", _unsigned_body, unique_id=_UNSIGNED_HOOK)
+    events.register_first("before-send.s3", _body_from_memory, unique_id=_VIEW_BODY_HOOK)
     call = getattr(client, method)
     _ONE_ATTEMPT.set(True)  # this task only: s3fs's own calls keep botocore's retries
     return await asyncio.wait_for(call(**fs._get_s3_method_kwargs(call, **kwargs)), timeout_s)
@@ -350,6 +354,95 @@ def _one_botocore_attempt(
 
         operation = kwargs.get("operation")
         raise ClientError(response[1], getattr(operation, "name", "request"))
+
+
+_UNSIGNED_HOOK = "cloudckpt-unsigned-body"
+_VIEW_BODY_HOOK = "cloudckpt-view-body"
+# client configs with payload signing switched off, by the client's own config
+_UNSIGNED_CONFIGS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _unsigned_body(request: Any = None, **kwargs: Any) -> None:
+    """botocore's ``before-sign`` hook: a body of cloudckpt's (a :class:`BufferReader`)
+    sent to a loopback endpoint over plain HTTP is not SHA-256 hashed for the signature
+    (``UNSIGNED-PAYLOAD``, as botocore itself does over HTTPS when a checksum header
+    comes with the body): its CRC-32C header, which is signed and which the store
+    checks, protects it. Hashing cost about 0.6 CPU-s per GB (plus a copy of the body
+    to feed the hash) on the client that shares its cores with the store. Elsewhere,
+    and when the client's config sets ``s3={"payload_signing_enabled": ...}``, botocore
+    decides as it always does."""
+    if request is None or not isinstance(getattr(request, "data", None), BufferReader):
+        return
+    if not _is_loopback_http(str(request.url)):
+        return
+    config = request.context.get("client_config")
+    if config is None:
+        return
+    unsigned = _UNSIGNED_CONFIGS.get(config)
+    if unsigned is None:
+        s3 = dict(getattr(config, "s3", None) or {})
+        if "payload_signing_enabled" in s3:
+            unsigned = config  # the user's explicit choice
+        else:
+            from botocore.config import Config  # type: ignore[import-untyped]  # noqa: PLC0415
+
+            unsigned = config.merge(Config(s3={**s3, "payload_signing_enabled": False}))
+        _UNSIGNED_CONFIGS[config] = unsigned
+    request.context["client_config"] = unsigned
+
+
+def _is_loopback_http(url: str) -> bool:
+    """Whether ``url`` is plain HTTP to this host (127.0.0.0/8, ::1, localhost)."""
+    if not url.startswith("http://"):
+        return False
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _body_from_memory(request: Any = None, **kwargs: Any) -> None:
+    """botocore's ``before-send`` hook: a body of cloudckpt's (a :class:`BufferReader`)
+    goes to aiohttp as the memory it reads (:class:`_ViewPayload`), not as a file, which
+    aiohttp reads in 256 KiB chunks, each copied (``read``) in a thread of the loop's
+    executor: a thread hop and a copy per chunk."""
+    body = getattr(request, "body", None)
+    if isinstance(body, BufferReader):
+        request.body = _ViewPayload(body.remaining())
+
+
+SEND_SLICE = 1024 * 1024
+"""Bytes handed to the connection per write of a :class:`_ViewPayload`: the socket
+takes most of a slice at once, so little is copied into the transport's buffer."""
+
+
+class _ViewPayload(aiohttp.payload.Payload):
+    """A request body sent from memory: written to the connection in slices of
+    :data:`SEND_SLICE` bytes, waiting for each to drain (aiohttp's ``BytesPayload``
+    would hand it over whole: all the socket does not take at once is copied into the
+    transport's buffer)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__(view, content_type="application/octet-stream")
+        self._size = view.nbytes
+        self._view = view
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self._view.tobytes().decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return self._view.tobytes()
+
+    async def write(self, writer: Any) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        view = self._view if content_length is None else self._view[:content_length]
+        for start in range(0, view.nbytes, SEND_SLICE):
+            await writer.write(view[start : start + SEND_SLICE])
 
 
 async def _get_once(
