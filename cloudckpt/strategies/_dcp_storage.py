@@ -151,10 +151,12 @@ class CloudStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[DcpWriteResult]]:
         """Serialize this rank's items into objects and write them: on local disks
-        straight into their files, elsewhere assembled in memory and uploaded (see
-        :meth:`_write_buffered`)."""
+        straight into their files, on S3 into multipart uploads whose parts send the
+        tensors from their own memory (:class:`~cloudckpt.storage.streams.UploadStream`),
+        elsewhere (and into an async save's staging) assembled in memory and uploaded
+        (see :meth:`_write_buffered`)."""
         prefix: _StoragePrefix = plan.storage_data
-        if self.storage.writes_in_place:
+        if self.storage.writes_in_place or self.storage.streams_uploads:
             out = self._write_streamed(prefix.prefix, plan.items, planner)
         else:
             out = self._write_buffered(prefix.prefix, plan.items, planner)
@@ -165,8 +167,8 @@ class CloudStorageWriter(StorageWriter):
     def _write_streamed(
         self, prefix: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[DcpWriteResult]:
-        """Serialize every object straight into its file, one after another (an
-        unfinished one is removed on failure)."""
+        """Serialize every object straight into its file or upload, one after another
+        (an unfinished one is removed or aborted on failure)."""
         out: list[DcpWriteResult] = []
         opened: list[StreamedObject] = []
 
