@@ -6,6 +6,9 @@ spends per GB is taken from the server. This script measures that cost, for one
 process (a world of 1) saving ``--size`` bytes of the bench's synthetic state:
 
 * ``save``: ``cloudckpt.save(..., backend torch_dist)`` to a fresh SeaweedFS bucket;
+* ``buffered``: the same save with each ``.distcp`` object assembled in memory and
+  uploaded whole (the path of async saves and of stores without upload streams), for
+  an A/B of :class:`~cloudckpt.storage.streams.UploadStream`;
 * ``raw``: the bench's raw baseline (``cloudckpt.bench.raw``, setting ``boto3 x16``):
   one boto3 multipart upload of the same tensors' bytes.
 
@@ -25,6 +28,7 @@ compare are the unprofiled CPU-s/GB; the buckets say where they go.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -37,12 +41,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 GB = 1e9
+PHASES = ("save", "buffered", "raw")
 
 # (bucket, tests on a profile entry's (filename, function name)), first match wins
 BUCKETS: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
@@ -192,7 +198,8 @@ def _save_runner(args: argparse.Namespace, options: dict[str, Any]) -> Callable[
 
     def run(warm: bool) -> int:
         uri = f"{args.uri}/save-{uuid.uuid4().hex[:8]}"
-        cloudckpt.save(small if warm else state, uri, storage_options=options, config=config)
+        with _buffered(args.phase == "buffered"):
+            cloudckpt.save(small if warm else state, uri, storage_options=options, config=config)
         started = time.process_time()
         remove_checkpoint(uri, storage_options=options)
         run.cleanup_s += time.process_time() - started  # type: ignore[attr-defined]
@@ -200,6 +207,15 @@ def _save_runner(args: argparse.Namespace, options: dict[str, Any]) -> Callable[
 
     run.cleanup_s = 0.0  # type: ignore[attr-defined]
     return run
+
+
+def _buffered(on: bool) -> contextlib.AbstractContextManager[Any]:
+    """Within the block, S3 storages open no upload streams (``buffered``)."""
+    from cloudckpt.storage import CheckpointStorage  # noqa: PLC0415
+
+    if not on:
+        return contextlib.nullcontext()
+    return patch.object(CheckpointStorage, "streams_uploads", property(lambda self: False))
 
 
 def _raw_runner(args: argparse.Namespace, options: dict[str, Any]) -> Callable[[bool], int]:
@@ -230,7 +246,7 @@ def child(args: argparse.Namespace) -> None:
     """One phase: warm-up, ``repeat`` timed runs, one profiled run; JSON on stdout."""
     threading.setprofile(_thread_hook)
     options = json.loads(args.options)
-    runner = (_save_runner if args.phase == "save" else _raw_runner)(args, options)
+    runner = (_raw_runner if args.phase == "raw" else _save_runner)(args, options)
     runner(True)
     runs = []
     for _ in range(args.repeat):
@@ -274,13 +290,13 @@ def _table(results: list[dict[str, Any]]) -> str:
         runs = result["runs"]
         med = sorted(runs, key=lambda r: r["client_cpu_s_per_gb"])[len(runs) // 2]
         lines.append(
-            f"{result['phase']:>5}: client {min(r['client_cpu_s_per_gb'] for r in runs):.2f}"
+            f"{result['phase']:>8}: client {min(r['client_cpu_s_per_gb'] for r in runs):.2f}"
             f" (median {med['client_cpu_s_per_gb']:.2f}) CPU-s/GB, server "
             f"{med['server_cpu_s_per_gb']:.2f} CPU-s/GB, {med['mb_per_s']:.0f} MB/s "
             f"(runs: {', '.join(format(r['client_cpu_s_per_gb'], '.2f') for r in runs)})"
         )
         if "buckets_s_per_gb" in result:
-            lines.append(f"       profiled: {result['profiled_cpu_s_per_gb']:.2f} CPU-s/GB")
+            lines.append(f"          profiled: {result['profiled_cpu_s_per_gb']:.2f} CPU-s/GB")
             for bucket, value in sorted(result["buckets_s_per_gb"].items(), key=lambda kv: -kv[1]):
                 lines.append(f"         {bucket:<40} {value:6.3f}")
     return "\n".join(lines)
@@ -350,7 +366,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="512MiB")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--phases", nargs="+", default=["save", "raw"], choices=["save", "raw"])
+    parser.add_argument("--phases", nargs="+", default=["save", "buffered", "raw"], choices=PHASES)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--dump", help="write the profiles to DUMP.<phase>.prof")
     parser.add_argument("--json")
