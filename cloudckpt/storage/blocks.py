@@ -186,6 +186,13 @@ class BlockChecksummer:
             if self._fill == self.block_size:
                 self._close_block()
 
+    def part(self) -> PartChecksum:
+        """The bytes fed so far as one multipart part (its first byte starts a block;
+        call once, after the last :meth:`update`)."""
+        if self._fill:
+            self._close_block()
+        return PartChecksum(self._whole, self.size, tuple(self._crcs))
+
     def _close_block(self) -> None:
         self._crcs.append(self._crc)
         self._whole = combine(self._whole, self._crc, self._fill)
@@ -215,6 +222,14 @@ def part_checksum(part: Buffer, block_size: int) -> PartChecksum:
     view = as_bytes_view(part)
     crc, crcs = checksum_blocks(view, block_size)
     return PartChecksum(crc, view.nbytes, tuple(crcs))
+
+
+def segments_checksum(segments: Iterable[Buffer], block_size: int) -> PartChecksum:
+    """:func:`part_checksum` of the concatenation of ``segments``, without joining them."""
+    summer = BlockChecksummer(block_size)
+    for segment in segments:
+        summer.update(segment)
+    return summer.part()
 
 
 def join_parts(parts: Sequence[PartChecksum], block_size: int) -> tuple[int, BlockCrcs | None]:

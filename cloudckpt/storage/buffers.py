@@ -18,6 +18,7 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from crc32c import crc32c as _crc32c
@@ -81,6 +82,10 @@ class BufferReader(io.RawIOBase):
     def __getitem__(self, index: slice) -> BufferReader:
         return BufferReader(self._view[index])
 
+    def remaining(self) -> memoryview:
+        """The bytes from the current position on (no copy)."""
+        return self._view[self._pos :]
+
     def readable(self) -> bool:
         return True
 
@@ -107,6 +112,65 @@ class BufferReader(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
         self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class SegmentsReader(io.RawIOBase):
+    """A seekable, read-only file over the concatenation of several memoryviews (one
+    request body made of pieces of different buffers), without joining them."""
+
+    def __init__(self, segments: Sequence[memoryview]) -> None:
+        super().__init__()
+        self._segments = [as_bytes_view(s) for s in segments if s.nbytes]
+        self._size = sum(s.nbytes for s in self._segments)
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def remaining(self) -> list[memoryview]:
+        """The pieces from the current position on (no copy)."""
+        out, skip = [], self._pos
+        for segment in self._segments:
+            if skip >= segment.nbytes:
+                skip -= segment.nbytes
+                continue
+            out.append(segment[skip:])
+            skip = 0
+        return out
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        """The next ``size`` bytes (all the rest for -1), copied into ``bytes``."""
+        left = self._size - self._pos if size is None or size < 0 else size
+        out = bytearray()
+        for segment in self.remaining():
+            if len(out) >= left:
+                break
+            out += segment[: left - len(out)]
+        self._pos += len(out)
+        return bytes(out)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        data = self.read(target.nbytes)
+        target[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(self._size, max(0, base + offset))
         return self._pos
 
     def tell(self) -> int:

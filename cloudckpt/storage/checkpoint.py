@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import fsspec
 
@@ -36,7 +36,7 @@ from cloudckpt.storage.location import (
 )
 from cloudckpt.storage.pool import PendingWrite, RequestPool, guarded
 from cloudckpt.storage.reads import StorageReads
-from cloudckpt.storage.streams import ObjectStream
+from cloudckpt.storage.streams import ObjectStream, PartSink, UploadStream
 from cloudckpt.storage.transport import transport_for
 from cloudckpt.storage.types import ReadRequest, WriteResult
 
@@ -179,12 +179,19 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         return WriteResult(relpath, view.nbytes, checksum, blocks)
 
     @property
+    def streams_uploads(self) -> bool:
+        """Whether :meth:`open_stream` writes objects front to back into multipart
+        uploads (S3), sending large writes made inside its ``referencing`` block from
+        the caller's memory."""
+        return bool(getattr(self.transport, "streams_uploads", False))
+
+    @property
     def writes_in_place(self) -> bool:
         """Whether :meth:`open_stream` writes objects straight into the store (local
         files); elsewhere objects are assembled in memory and written whole."""
         return self.transport.writes_in_place
 
-    def open_stream(self, relpath: str) -> ObjectStream:
+    def open_stream(self, relpath: str) -> ObjectStream | UploadStream:
         """Start writing the object ``relpath`` front to back, straight into the
         store, replacing any previous one (stores that :attr:`writes_in_place` only):
         see :mod:`cloudckpt.storage.streams`. The caller ends it with
@@ -195,6 +202,12 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         """
         path = self.full_path(relpath)
         uri = self.child_uri(relpath)
+        if self.streams_uploads:  # S3: a multipart upload (storage.streams.UploadStream)
+            sink = cast(PartSink, self.transport)
+            executor = self.pool.executor(self.pool.max_in_flight)
+            return UploadStream(
+                relpath, uri, path, sink, executor, self.part_size, self.pool.max_in_flight
+            )
         try:
             file = self.transport.open_sequential(path)
         except io_errors() as exc:

@@ -10,18 +10,27 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+import ipaddress
 import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
+import aiohttp.payload
 import fsspec
 import fsspec.asyn
 
 from cloudckpt.errors import StorageAccessDeniedError, StorageError, StorageUnreachableError
 from cloudckpt.redact import redact_uri
-from cloudckpt.storage.blocks import part_checksum
-from cloudckpt.storage.buffers import BufferReader, crc32c, crc32c_base64, plan_parts
+from cloudckpt.storage.blocks import PartChecksum, part_checksum
+from cloudckpt.storage.buffers import (
+    BufferReader,
+    SegmentsReader,
+    crc32c,
+    crc32c_base64,
+    plan_parts,
+)
 from cloudckpt.storage.edge import AUTH_ERROR_CODES, error_code, io_errors, translate
 from cloudckpt.storage.location import Location
 from cloudckpt.storage.pool import RequestPool, guarded
@@ -68,6 +77,7 @@ class S3Transport(Transport):
     bytes again, straight from memory, with the same CRC-32C."""
 
     multipart = True
+    streams_uploads = True
 
     def __init__(
         self, location: Location, pool: RequestPool, part_size: int, retry: RetryPolicy
@@ -92,12 +102,18 @@ class S3Transport(Transport):
         self.put(path, view, checksum, IfNoneMatch="*")
 
     def send(
-        self, method: str, *, body: memoryview | None = None, cleanup: bool = False, **kwargs: Any
+        self,
+        method: str,
+        *,
+        body: memoryview | Sequence[memoryview] | None = None,
+        cleanup: bool = False,
+        **kwargs: Any,
     ) -> Any:
-        """One S3 call, retried; ``body`` is sent from memory by every attempt."""
+        """One S3 call, retried; ``body`` (one buffer, or pieces sent one after another)
+        is sent from memory by every attempt."""
 
         def attempt(attempt: Attempt) -> Any:
-            extra = {} if body is None else {"Body": BufferReader(body)}
+            extra = {} if body is None else {"Body": _reader(body)}
             return fsspec.asyn.sync(
                 self.fs.loop, _call_once, self.fs, attempt.timeout_s, method, **kwargs, **extra
             )
@@ -173,17 +189,7 @@ class S3Transport(Transport):
         progress: Progress,
         cancel: Event,
     ) -> None:
-        bucket, key, _ = self.fs.split_path(path)
-        try:
-            upload = self.call(
-                "create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C"
-            )
-        except io_errors() as exc:
-            raise translate(
-                exc, f"failed to start a multipart upload of {self._uri(item)}: {exc}"
-            ) from exc
-        item.upload_id = upload["UploadId"]
-        logger.debug("multipart upload %s of %s started", item.upload_id, self._uri(item))
+        item.upload_id = self.begin_upload(path, self._uri(item))
         for number, (start, end) in enumerate(plan_parts(item.view.nbytes, self.part_size), 1):
             item.futures.append(
                 executor.submit(
@@ -194,32 +200,83 @@ class S3Transport(Transport):
     def _upload_part(
         self, item: PendingWrite, path: str, number: int, start: int, end: int, progress: Progress
     ) -> dict[str, Any]:
-        bucket, key, _ = self.fs.split_path(path)
         part = item.view[start:end]
         # once, with the part's block CRCs: every attempt sends this one
         item.parts[number] = part_checksum(part, item.block_size)
-        checksum = crc32c_base64(item.parts[number].crc)
+        where = (self._uri(item), start)
+        sent = self.send_part(path, str(item.upload_id), number, part, item.parts[number], where)
+        progress.add(part.nbytes)
+        return sent
+
+    # -- multipart uploads written front to back (storage.streams.UploadStream) ---------
+
+    def begin_upload(self, path: str, uri: str) -> str:
+        """Start a multipart upload (parts with CRC-32Cs); its id."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            upload = self.call(
+                "create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C"
+            )
+        except io_errors() as exc:
+            raise translate(exc, f"failed to start a multipart upload of {uri}: {exc}") from exc
+        upload_id = str(upload["UploadId"])
+        logger.debug("multipart upload %s of %s started", upload_id, uri)
+        return upload_id
+
+    def send_part(
+        self,
+        path: str,
+        upload_id: str,
+        number: int,
+        body: memoryview | Sequence[memoryview],
+        checksum: PartChecksum,
+        where: tuple[str, int],
+    ) -> dict[str, Any]:
+        """Upload part ``number`` (``body``: its bytes, or its pieces in order), retried;
+        what the completion lists for it. ``where``: the object's URI and the part's
+        first byte, for the error."""
+        bucket, key, _ = self.fs.split_path(path)
+        crc = crc32c_base64(checksum.crc)
         try:
             response = self.send(
                 "upload_part",
-                body=part,
+                body=body,
                 Bucket=bucket,
                 Key=key,
-                UploadId=item.upload_id,
+                UploadId=upload_id,
                 PartNumber=number,
-                ChecksumCRC32C=checksum,
+                ChecksumCRC32C=crc,
             )
         except io_errors() as exc:
+            uri, start = where
             raise translate(
                 exc,
-                f"failed to upload part {number} (bytes {start}-{end}) of {self._uri(item)}: {exc}",
+                f"failed to upload part {number} (bytes {start}-{start + checksum.length}) "
+                f"of {uri}: {exc}",
             ) from exc
-        progress.add(part.nbytes)
-        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": checksum}
+        return {"PartNumber": number, "ETag": response["ETag"], "ChecksumCRC32C": crc}
+
+    def put_pieces(self, path: str, pieces: Sequence[memoryview], checksum: int) -> None:
+        """Write a whole object from its pieces, in order, replacing any previous one."""
+        bucket, key, _ = self.fs.split_path(path)
+        self.send(
+            "put_object",
+            body=pieces,
+            Bucket=bucket,
+            Key=key,
+            ChecksumCRC32C=crc32c_base64(checksum),
+        )
+        self.fs.invalidate_cache(path)
 
     def complete_multipart(self, item: PendingWrite, path: str) -> None:
-        bucket, key, _ = self.fs.split_path(path)
         parts = [future.result() for future in item.futures]
+        self.complete_upload(path, self._uri(item), str(item.upload_id), parts, item.view.nbytes)
+
+    def complete_upload(
+        self, path: str, uri: str, upload_id: str, parts: list[dict[str, Any]], size: int
+    ) -> None:
+        """Complete a multipart upload of ``size`` bytes from its ``parts``, retried."""
+        bucket, key, _ = self.fs.split_path(path)
 
         def attempt(attempt: Attempt) -> None:
             try:
@@ -231,22 +288,22 @@ class S3Transport(Transport):
                     "complete_multipart_upload",
                     Bucket=bucket,
                     Key=key,
-                    UploadId=item.upload_id,
+                    UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
                 )
             except io_errors() as exc:
                 # an earlier attempt completed it, but its answer was lost
                 if not (attempt.number > 1 and error_code(exc) in NO_SUCH_UPLOAD):
                     raise
-                if not self._has_object(bucket, key, item.view.nbytes):
+                if not self._has_object(bucket, key, size):
                     raise
-                logger.info("%s: a retried completion found its upload complete", self._uri(item))
+                logger.info("%s: a retried completion found its upload complete", uri)
 
         try:
-            self.retrier.run(attempt, f"complete {self._uri(item)}")
+            self.retrier.run(attempt, f"complete {uri}")
         except io_errors() as exc:
             raise translate(
-                exc, f"failed to complete the multipart upload of {self._uri(item)}: {exc}"
+                exc, f"failed to complete the multipart upload of {uri}: {exc}"
             ) from exc
         self.fs.invalidate_cache(path)
 
@@ -258,16 +315,20 @@ class S3Transport(Transport):
         return bool(head.get("ContentLength") == size)
 
     def abort_multipart(self, item: PendingWrite, path: str) -> None:
+        self.abort_started(path, self._uri(item), str(item.upload_id))
+
+    def abort_started(self, path: str, uri: str, upload_id: str) -> None:
+        """Abort a multipart upload, logging (not raising) a failure."""
         bucket, key, _ = self.fs.split_path(path)
         try:
-            self._abort(bucket, key, str(item.upload_id))
-            logger.info("aborted multipart upload of %s", self._uri(item))
+            self._abort(bucket, key, upload_id)
+            logger.info("aborted multipart upload of %s", uri)
         except io_errors() as exc:  # keep the original error; say what is left
             logger.warning(
                 "could not abort multipart upload %s of %s (`cloudckpt gc` or a bucket "
                 "lifecycle rule will remove it): %s",
-                item.upload_id,
-                self._uri(item),
+                upload_id,
+                uri,
                 exc,
             )
 
@@ -320,9 +381,10 @@ async def _call_once(fs: Any, timeout_s: float, method: str, **kwargs: Any) -> A
     server-side encryption settings) still apply."""
     await fs.set_session()
     client = await fs.get_s3(kwargs.get("Bucket"))
-    client.meta.events.register_first(
-        "needs-retry.s3", _one_botocore_attempt, unique_id=_ONE_ATTEMPT_HOOK
-    )
+    events = client.meta.events
+    events.register_first("needs-retry.s3", _one_botocore_attempt, unique_id=_ONE_ATTEMPT_HOOK)
+    events.register_first("before-sign.s3", _unsigned_body, unique_id=_UNSIGNED_HOOK)
+    events.register_first("before-send.s3", _body_from_memory, unique_id=_VIEW_BODY_HOOK)
     call = getattr(client, method)
     _ONE_ATTEMPT.set(True)  # this task only: s3fs's own calls keep botocore's retries
     return await asyncio.wait_for(call(**fs._get_s3_method_kwargs(call, **kwargs)), timeout_s)
@@ -350,6 +412,110 @@ def _one_botocore_attempt(
 
         operation = kwargs.get("operation")
         raise ClientError(response[1], getattr(operation, "name", "request"))
+
+
+_UNSIGNED_HOOK = "cloudckpt-unsigned-body"
+_VIEW_BODY_HOOK = "cloudckpt-view-body"
+# client configs with payload signing switched off, by the client's own config
+_UNSIGNED_CONFIGS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _unsigned_body(request: Any = None, **kwargs: Any) -> None:
+    """botocore's ``before-sign`` hook: a body of cloudckpt's (a :class:`BufferReader`)
+    sent to a loopback endpoint over plain HTTP is not SHA-256 hashed for the signature
+    (``UNSIGNED-PAYLOAD``, as botocore itself does over HTTPS when a checksum header
+    comes with the body): its CRC-32C header, which is signed and which the store
+    checks, protects it. Hashing cost about 0.6 CPU-s per GB (plus a copy of the body
+    to feed the hash) on the client that shares its cores with the store. Elsewhere,
+    and when the client's config sets ``s3={"payload_signing_enabled": ...}``, botocore
+    decides as it always does."""
+    if request is None or not isinstance(getattr(request, "data", None), _READERS):
+        return
+    if not _is_loopback_http(str(request.url)):
+        return
+    config = request.context.get("client_config")
+    if config is None:
+        return
+    unsigned = _UNSIGNED_CONFIGS.get(config)
+    if unsigned is None:
+        s3 = dict(getattr(config, "s3", None) or {})
+        if "payload_signing_enabled" in s3:
+            unsigned = config  # the user's explicit choice
+        else:
+            from botocore.config import Config  # type: ignore[import-untyped]  # noqa: PLC0415
+
+            unsigned = config.merge(Config(s3={**s3, "payload_signing_enabled": False}))
+        _UNSIGNED_CONFIGS[config] = unsigned
+    request.context["client_config"] = unsigned
+
+
+def _is_loopback_http(url: str) -> bool:
+    """Whether ``url`` is plain HTTP to this host (127.0.0.0/8, ::1, localhost)."""
+    if not url.startswith("http://"):
+        return False
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _body_from_memory(request: Any = None, **kwargs: Any) -> None:
+    """botocore's ``before-send`` hook: a body of cloudckpt's (a :class:`BufferReader`)
+    goes to aiohttp as the memory it reads (:class:`_ViewPayload`), not as a file, which
+    aiohttp reads in 256 KiB chunks, each copied (``read``) in a thread of the loop's
+    executor: a thread hop and a copy per chunk."""
+    body = getattr(request, "body", None)
+    if isinstance(body, BufferReader):
+        request.body = _ViewPayload([body.remaining()])
+    elif isinstance(body, SegmentsReader):
+        request.body = _ViewPayload(body.remaining())
+
+
+_READERS = (BufferReader, SegmentsReader)
+
+
+def _reader(body: memoryview | Sequence[memoryview]) -> BufferReader | SegmentsReader:
+    return BufferReader(body) if isinstance(body, memoryview) else SegmentsReader(body)
+
+
+SEND_SLICE = 1024 * 1024
+"""Bytes handed to the connection per write of a :class:`_ViewPayload`: the socket
+takes most of a slice at once, so little is copied into the transport's buffer."""
+
+
+class _ViewPayload(aiohttp.payload.Payload):
+    """A request body sent from memory: written to the connection in slices of
+    :data:`SEND_SLICE` bytes, waiting for each to drain (aiohttp's ``BytesPayload``
+    would hand it over whole: all the socket does not take at once is copied into the
+    transport's buffer)."""
+
+    def __init__(self, pieces: list[memoryview]) -> None:
+        super().__init__(pieces, content_type="application/octet-stream")
+        self._view_size = sum(piece.nbytes for piece in pieces)
+        self._size = self._view_size
+        self._pieces = pieces
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._pieces).decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"".join(self._pieces)
+
+    async def write(self, writer: Any) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        left = self._view_size if content_length is None else content_length
+        for piece in self._pieces:
+            view = piece[:left]
+            for start in range(0, view.nbytes, SEND_SLICE):
+                await writer.write(view[start : start + SEND_SLICE])
+            left -= view.nbytes
+            if left <= 0:
+                return
 
 
 async def _get_once(

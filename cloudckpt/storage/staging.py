@@ -58,6 +58,11 @@ class StagingStorage(CheckpointStorage):
         """Never: every plain write is staged in memory."""
         return False
 
+    @property
+    def streams_uploads(self) -> bool:
+        """Never: every plain write is staged in memory."""
+        return False
+
     def write(self, relpath: str, data: Buffer, *, exclusive: bool = False) -> WriteResult:
         """Stage ``data`` (a copy); a create-only write goes to the store at once."""
         if exclusive:

@@ -1,4 +1,5 @@
-"""Objects written front to back straight into their files (local disks).
+"""Objects written front to back straight into their files (local disks) or into
+multipart uploads (S3: :class:`UploadStream`).
 
 A serializer that produces an object in order (``torch.save`` of one item after
 another) can write it through an :class:`ObjectStream` instead of assembling it in
@@ -9,7 +10,9 @@ returns); small pieces (zip headers) are gathered into one write. So an object c
 one copy of its bytes, as a ``torch.save`` to a file does, instead of a copy into a
 buffer and a second into the file.
 
-Only stores whose transport ``writes_in_place`` (local files) open streams. The file
+Stores whose transport ``writes_in_place`` (local files) open an :class:`ObjectStream`;
+S3 opens an :class:`UploadStream`, whose parts go up while the object is written and
+which sends a synchronous save's tensors from their own memory. The file
 is the object itself, written in place like a whole-object write of that store: the
 commit protocol does not depend on how data objects appear (the claim came first, and
 the manifest, written create-only after every rank's data, records their sizes and
@@ -21,13 +24,23 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from collections.abc import Callable
-from typing import IO
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
+from typing import IO, Any, Protocol
 
-from cloudckpt.storage.blocks import BlockChecksummer
+from cloudckpt.storage.blocks import (
+    BLOCK_SIZE,
+    BlockChecksummer,
+    PartChecksum,
+    block_size_for,
+    join_parts,
+    segments_checksum,
+)
 from cloudckpt.storage.buffers import Buffer, as_bytes_view
 from cloudckpt.storage.edge import io_errors, translate
-from cloudckpt.storage.pool import AdaptiveLimit
+from cloudckpt.storage.pool import AdaptiveLimit, Cancelled, guarded
 from cloudckpt.storage.types import WriteResult
 
 logger = logging.getLogger(__name__)
@@ -69,6 +82,12 @@ class ObjectStream(io.RawIOBase):
 
     def writable(self) -> bool:
         return True
+
+    @contextlib.contextmanager
+    def referencing(self, owner: object) -> Iterator[None]:
+        """As :meth:`UploadStream.referencing`; nothing to do: each write is done when
+        it returns."""
+        yield
 
     def tell(self) -> int:
         return self._checksum.size + len(self._gathered)
@@ -138,4 +157,219 @@ class ObjectStream(io.RawIOBase):
         self.close()
 
 
-__all__ = ["GATHER_LIMIT", "SMALL_WRITE", "ObjectStream"]
+class PartSink(Protocol):
+    """What an :class:`UploadStream` needs of its store (the S3 transport)."""
+
+    def begin_upload(self, path: str, uri: str) -> str: ...
+
+    def send_part(
+        self,
+        path: str,
+        upload_id: str,
+        number: int,
+        body: Sequence[memoryview],
+        checksum: PartChecksum,
+        where: tuple[str, int],
+    ) -> dict[str, Any]: ...
+
+    def complete_upload(
+        self, path: str, uri: str, upload_id: str, parts: list[dict[str, Any]], size: int
+    ) -> None: ...
+
+    def abort_started(self, path: str, uri: str, upload_id: str) -> None: ...
+
+    def put_pieces(self, path: str, pieces: Sequence[memoryview], checksum: int) -> None: ...
+
+
+class UploadStream(io.RawIOBase):
+    """One object written front to back into a multipart upload (object stores), its
+    parts going up while the next bytes are written: the interface of
+    :class:`ObjectStream` (``write``, ``tell``, :meth:`finish`, :meth:`abort`).
+
+    Small writes are gathered (copied) into pieces; large ones are copied too, except
+    inside :meth:`referencing`, where the caller promises that the memory stays alive
+    and unchanged until :meth:`finish` returns (a tensor of a synchronous save): then
+    a part's body is a list of pieces of the caller's memory, sent from there, and the
+    object costs no copy of those bytes. Parts are exactly ``part_size`` bytes (the
+    last may be shorter), so that their block CRCs are whole; an object no larger than
+    one part is one PUT. At most ``max_queued`` parts wait or run at once: pieces that
+    reference the caller's memory cost nothing, gathered ones at most a part each.
+    Errors name the object (and part); :meth:`abort` aborts the upload.
+    """
+
+    def __init__(
+        self,
+        relpath: str,
+        uri: str,
+        path: str,
+        sink: PartSink,
+        executor: AbstractContextManager[ThreadPoolExecutor],
+        part_size: int,
+        max_queued: int,
+    ) -> None:
+        super().__init__()
+        self.relpath, self._uri, self._path = relpath, uri, path
+        self._sink = sink
+        self._lease = executor
+        self._executor = executor.__enter__()
+        self._part_size = part_size
+        self._block_size = block_size_for(part_size)
+        self._max_queued = max(1, max_queued)
+        self._pending: list[memoryview] = []  # the pieces of the part being filled
+        self._pending_bytes = 0
+        self._gathered = bytearray()
+        self._by_reference = False
+        self._kept: list[object] = []  # owners of referenced memory
+        self._upload_id: str | None = None
+        self._futures: list[Future[tuple[dict[str, Any], PartChecksum]]] = []
+        self._cancel = threading.Event()
+        self._size = 0
+        self._result: WriteResult | None = None
+        self._ended = False
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._size
+
+    @contextlib.contextmanager
+    def referencing(self, owner: object) -> Iterator[None]:
+        """Within the block, large writes are sent from the caller's memory, which
+        ``owner`` holds (kept until the stream ends; see the class docstring)."""
+        self._kept.append(owner)
+        self._by_reference = True
+        try:
+            yield
+        finally:
+            self._by_reference = False
+
+    def write(self, data: Buffer) -> int:  # type: ignore[override]
+        view = as_bytes_view(data)
+        nbytes = view.nbytes
+        if self._ended:
+            raise ValueError(f"{self._uri}: the stream has ended")
+        self._size += nbytes
+        if nbytes < SMALL_WRITE or not self._by_reference:
+            self._gathered += view
+            if len(self._gathered) >= GATHER_LIMIT:
+                self._flush_gathered()
+            return nbytes
+        self._flush_gathered()
+        self._add(view)
+        return nbytes
+
+    def _flush_gathered(self) -> None:
+        if self._gathered:
+            gathered, self._gathered = self._gathered, bytearray()
+            self._add(memoryview(gathered))
+
+    def _add(self, view: memoryview) -> None:
+        self._pending.append(view)
+        self._pending_bytes += view.nbytes
+        while self._pending_bytes >= self._part_size:
+            self._submit(self._take(self._part_size))
+
+    def _take(self, nbytes: int) -> list[memoryview]:
+        """The first ``nbytes`` of the pending pieces (a piece cut where needed)."""
+        taken: list[memoryview] = []
+        while nbytes:
+            piece = self._pending[0]
+            if piece.nbytes <= nbytes:
+                taken.append(self._pending.pop(0))
+            else:
+                taken.append(piece[:nbytes])
+                self._pending[0] = piece[nbytes:]
+            nbytes -= taken[-1].nbytes
+            self._pending_bytes -= taken[-1].nbytes
+        return taken
+
+    def _submit(self, pieces: list[memoryview]) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._sink.begin_upload(self._path, self._uri)
+        self._settle(self._max_queued - 1)
+        number = len(self._futures) + 1
+        start = (number - 1) * self._part_size
+        self._futures.append(
+            self._executor.submit(guarded, self._cancel, self._send, number, pieces, start)
+        )
+
+    def _send(
+        self, number: int, pieces: list[memoryview], start: int
+    ) -> tuple[dict[str, Any], PartChecksum]:
+        checksum = segments_checksum(pieces, self._block_size)  # once: every attempt sends it
+        where = (self._uri, start)
+        sent = self._sink.send_part(
+            self._path, str(self._upload_id), number, pieces, checksum, where
+        )
+        return sent, checksum
+
+    def _settle(self, queued: int) -> None:
+        """Wait until at most ``queued`` parts are unfinished; raise the first error."""
+        while True:
+            running = [f for f in self._futures if not f.done()]
+            errors = [f.exception() for f in self._futures if f.done()]
+            failed = next((e for e in errors if e and not isinstance(e, Cancelled)), None)
+            if failed is not None:
+                raise failed
+            if len(running) <= queued:
+                return
+            wait(running, return_when=FIRST_COMPLETED)
+
+    def finish(self) -> WriteResult:
+        """Send what is left, complete the upload; the object's size and checksums."""
+        if self._result is not None:
+            return self._result
+        if self._ended:
+            raise ValueError(f"{self._uri}: the stream was aborted")
+        try:
+            self._flush_gathered()
+            if self._upload_id is None:
+                result = self._put_whole()
+            else:
+                if self._pending_bytes:
+                    self._submit(self._take(self._pending_bytes))
+                result = self._complete()
+        except BaseException:
+            self.abort()
+            raise
+        self._end()
+        self._result = result
+        return result
+
+    def _put_whole(self) -> WriteResult:
+        pieces, self._pending, self._pending_bytes = self._pending, [], 0
+        checksum = segments_checksum(pieces, BLOCK_SIZE)
+        crc, blocks = join_parts([checksum], BLOCK_SIZE)
+        try:
+            self._sink.put_pieces(self._path, pieces, crc)
+        except io_errors() as exc:
+            raise translate(exc, f"failed to write {self._uri}: {exc}") from exc
+        return WriteResult(self.relpath, self._size, crc, blocks)
+
+    def _complete(self) -> WriteResult:
+        self._settle(0)
+        done = [future.result() for future in self._futures]
+        parts = [sent for sent, _ in done]
+        self._sink.complete_upload(self._path, self._uri, str(self._upload_id), parts, self._size)
+        crc, blocks = join_parts([checksum for _, checksum in done], self._block_size)
+        return WriteResult(self.relpath, self._size, crc, blocks)
+
+    def abort(self) -> None:
+        """Stop the parts, abort the upload (a failure is logged); a no-op once ended."""
+        if self._ended:
+            return
+        self._cancel.set()
+        self._end()
+        if self._upload_id is not None:
+            self._sink.abort_started(self._path, self._uri, self._upload_id)
+
+    def _end(self) -> None:
+        """Wait for the parts in flight, give the threads back, drop the references."""
+        self._ended = True
+        self._lease.__exit__(None, None, None)
+        self._pending, self._gathered, self._kept = [], bytearray(), []
+        self.close()
+
+
+__all__ = ["GATHER_LIMIT", "SMALL_WRITE", "ObjectStream", "PartSink", "UploadStream"]

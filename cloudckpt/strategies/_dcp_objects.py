@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import IO, Any, Protocol, cast
 
 import torch
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.storage import WriteResult
 from cloudckpt.storage.buffers import Buffer, as_bytes_view
-from cloudckpt.storage.streams import SMALL_WRITE, ObjectStream
+from cloudckpt.storage.streams import SMALL_WRITE, ObjectStream, UploadStream
 from cloudckpt.strategies._append_buffer import AppendBuffer
 from cloudckpt.strategies._dcp_ranges import (
     RecordedStorageInfo,
@@ -161,7 +161,7 @@ class BufferedObject:
 class StreamedObject:
     """One ``.distcp`` object written straight into its file (see the module docstring)."""
 
-    def __init__(self, path: str, stream: ObjectStream) -> None:
+    def __init__(self, path: str, stream: ObjectStream | UploadStream) -> None:
         self.path = path
         self.stream = stream
 
@@ -176,7 +176,7 @@ class StreamedObject:
         offset = self.size
         record = None
         if isinstance(data, torch.Tensor):
-            with HOST_COPIES.host(data) as host:
+            with HOST_COPIES.host(data) as host, self._sent_from(data, host):
                 replayed = templates.write(host, self.stream)
                 if replayed is None:
                     headers = _ItemHeaders(self.stream)
@@ -190,6 +190,15 @@ class StreamedObject:
         else:
             raise _not_an_item(data)
         return RecordedStorageInfo(self.path, offset, self.size - offset, record=record)
+
+    def _sent_from(self, data: torch.Tensor, host: torch.Tensor) -> AbstractContextManager[None]:
+        """An upload stream sends a CPU tensor's bytes from its own memory (``host`` is
+        the caller's tensor or a copy made for this item alone, kept alive by the
+        stream until it ends); a device tensor's host copy is a reused buffer, which
+        the next item overwrites: its bytes are copied."""
+        if data.device.type == "cpu":
+            return self.stream.referencing(host)
+        return nullcontext()
 
     def finish(self) -> WriteResult:
         """Close the object; its size and checksums."""
@@ -205,7 +214,7 @@ class _ItemHeaders(io.RawIOBase):
     writes (the zip headers and directory, and small tensors' bytes) by offset within
     the item: what :func:`~cloudckpt.strategies._torch_zip.find_storage` reads."""
 
-    def __init__(self, sink: ObjectStream) -> None:
+    def __init__(self, sink: ObjectStream | UploadStream) -> None:
         super().__init__()
         self._sink = sink
         self.size = 0
