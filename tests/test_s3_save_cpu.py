@@ -32,7 +32,7 @@ from cloudckpt.config import S3_MIN_PART_SIZE, CheckpointConfig
 from cloudckpt.errors import StorageError
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.storage.blocks import BLOCK_SIZE, object_checksum, part_checksum, segments_checksum
-from cloudckpt.storage.buffers import SegmentsReader
+from cloudckpt.storage.buffers import Progress, SegmentsReader
 from cloudckpt.storage.s3 import S3Transport, _is_loopback_http, _ViewPayload
 from cloudckpt.storage.streams import SMALL_WRITE, UploadStream
 from tests.fixtures_object_stores import StoreLocation
@@ -165,7 +165,8 @@ def test_an_upload_stream_writes_its_bytes_and_their_checksums(
 ) -> None:
     data = _bytes(size, size)
     assert storage.streams_uploads
-    stream = storage.open_stream("obj.bin")
+    progress = Progress("wrote", storage.uri, size, 1)
+    stream = storage.open_stream("obj.bin", progress)
     assert isinstance(stream, UploadStream)
     for number, piece in enumerate(_cut(data, 7)):
         if number % 2:
@@ -175,6 +176,7 @@ def test_an_upload_stream_writes_its_bytes_and_their_checksums(
             stream.write(piece)
     assert stream.tell() == size
     result = stream.finish()
+    assert progress.done == size  # every byte counted once, as its part (or PUT) was sent
     assert storage.read("obj.bin") == data
     crc, blocks = object_checksum(data, BLOCK_SIZE)
     assert (result.path, result.size, result.crc32c, result.blocks) == (

@@ -18,7 +18,9 @@ elements, read with struct (cloudckpt/strategies/_torch_zip.py).
 
 from __future__ import annotations
 
+import functools
 import io
+import logging
 import random
 import re
 import warnings
@@ -38,6 +40,7 @@ from cloudckpt.errors import CheckpointingException, StorageError
 from cloudckpt.manifest import MANIFEST_FNAME, Manifest
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.storage.blocks import BlockChecksummer, object_checksum
+from cloudckpt.storage.buffers import Progress
 from cloudckpt.storage.staging import StagingStorage
 from cloudckpt.storage.streams import SMALL_WRITE, ObjectStream
 from cloudckpt.strategies._dcp_ranges import _storage_record_zipfile, storage_record
@@ -74,11 +77,13 @@ def test_a_stream_writes_its_bytes_and_their_checksums(tmp_path: Path) -> None:
     storage = CheckpointStorage(str(tmp_path / "ckpt"))
     assert storage.writes_in_place
     data = random.Random(1).randbytes(5 * MiB + 77)
-    stream = storage.open_stream("sub/obj.bin")
+    progress = Progress("wrote", storage.uri, len(data), 1)
+    stream = storage.open_stream("sub/obj.bin", progress)
     for piece in _pieces(data, 2):
         assert stream.write(memoryview(piece)) == len(piece)
     assert stream.tell() == len(data)
     result = stream.finish()
+    assert progress.done == len(data)  # every byte counted once, as it reached the file
     assert stream.finish() == result  # idempotent
     assert (tmp_path / "ckpt" / "sub" / "obj.bin").read_bytes() == data
     crc, blocks = object_checksum(data)
@@ -134,6 +139,26 @@ def _items(root: Path) -> list[tuple[Any, bytes]]:
         raw = (root / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
         out.append((index, raw))
     return out
+
+
+def test_a_streamed_torch_dist_save_logs_its_progress(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rank's streamed objects share one progress: INFO lines as bytes reach the
+    store (here after every write: the interval patched to 0), ending at the total."""
+    state = {"big": ShardedTensor.from_rank_offsets("big", torch.randn(512, 1024))}
+    quick = functools.partial(Progress, interval=0.0)
+    with (
+        patch("cloudckpt.strategies._dcp_storage.Progress", quick),
+        caplog.at_level(logging.INFO, logger="cloudckpt.storage.buffers"),
+    ):
+        cloudckpt.save(state, str(tmp_path / "ckpt"), sharded_strategy=("torch_dist", 1))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wrote ")]
+    assert lines, caplog.text
+    done = [float(line.split()[1]) for line in lines]
+    assert done == sorted(done)
+    assert done[-1] >= 512 * 1024 * 4 / 1e6  # every tensor byte counted (plus the framing)
+    assert str(tmp_path / "ckpt") in lines[-1]
 
 
 def test_a_local_torch_dist_save_streams_its_objects(tmp_path: Path) -> None:

@@ -191,11 +191,15 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         files); elsewhere objects are assembled in memory and written whole."""
         return self.transport.writes_in_place
 
-    def open_stream(self, relpath: str) -> ObjectStream | UploadStream:
+    def open_stream(
+        self, relpath: str, progress: Progress | None = None
+    ) -> ObjectStream | UploadStream:
         """Start writing the object ``relpath`` front to back, straight into the
-        store, replacing any previous one (stores that :attr:`writes_in_place` only):
-        see :mod:`cloudckpt.storage.streams`. The caller ends it with
-        ``finish()`` (returns its :class:`WriteResult`) or ``abort()``.
+        store, replacing any previous one (stores that :attr:`writes_in_place` or
+        :attr:`streams_uploads` only): see :mod:`cloudckpt.storage.streams`. The caller
+        ends it with ``finish()`` (returns its :class:`WriteResult`) or ``abort()``.
+        ``progress`` (shared by the streams of one transfer) counts the bytes as they
+        reach the store.
 
         Raises:
             StorageError: the file cannot be created.
@@ -206,14 +210,21 @@ class CheckpointStorage(StorageReads, StorageAdmin):
             sink = cast(PartSink, self.transport)
             executor = self.pool.executor(self.pool.max_in_flight)
             return UploadStream(
-                relpath, uri, path, sink, executor, self.part_size, self.pool.max_in_flight
+                relpath,
+                uri,
+                path,
+                sink,
+                executor,
+                self.part_size,
+                self.pool.max_in_flight,
+                progress,
             )
         try:
             file = self.transport.open_sequential(path)
         except io_errors() as exc:
             raise translate(exc, f"failed to write {uri}: {exc}") from exc
         return ObjectStream(
-            relpath, uri, file, self.pool.slots, lambda: self.transport.remove(path)
+            relpath, uri, file, self.pool.slots, lambda: self.transport.remove(path), progress
         )
 
     def _is_our_object(self, relpath: str, size: int, checksum: int) -> bool:

@@ -38,7 +38,7 @@ from cloudckpt.storage.blocks import (
     join_parts,
     segments_checksum,
 )
-from cloudckpt.storage.buffers import Buffer, as_bytes_view
+from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view
 from cloudckpt.storage.edge import io_errors, translate
 from cloudckpt.storage.pool import AdaptiveLimit, Cancelled, guarded
 from cloudckpt.storage.types import WriteResult
@@ -68,9 +68,11 @@ class ObjectStream(io.RawIOBase):
         file: IO[bytes],
         slots: AdaptiveLimit,
         remove: Callable[[], None],
+        progress: Progress | None = None,
     ) -> None:
         super().__init__()
         self.relpath = relpath
+        self._progress = progress
         self._uri = uri
         self._file = file
         self._slots = slots
@@ -112,6 +114,7 @@ class ObjectStream(io.RawIOBase):
     def _put(self, view: memoryview) -> None:
         """Checksum ``view`` and write all of it to the file."""
         self._checksum.update(view)
+        nbytes = view.nbytes
         try:
             with self._slots:
                 while view.nbytes:
@@ -121,6 +124,8 @@ class ObjectStream(io.RawIOBase):
                     view = view[written:]
         except io_errors() as exc:
             raise translate(exc, f"failed to write {self._uri}: {exc}") from exc
+        if self._progress is not None:
+            self._progress.add(nbytes)
 
     def finish(self) -> WriteResult:
         """Write what is gathered, close the file; the object's size and checksums."""
@@ -206,9 +211,11 @@ class UploadStream(io.RawIOBase):
         executor: AbstractContextManager[ThreadPoolExecutor],
         part_size: int,
         max_queued: int,
+        progress: Progress | None = None,
     ) -> None:
         super().__init__()
         self.relpath, self._uri, self._path = relpath, uri, path
+        self._progress = progress
         self._sink = sink
         self._lease = executor
         self._executor = executor.__enter__()
@@ -302,6 +309,8 @@ class UploadStream(io.RawIOBase):
         sent = self._sink.send_part(
             self._path, str(self._upload_id), number, pieces, checksum, where
         )
+        if self._progress is not None:
+            self._progress.add(checksum.length)
         return sent, checksum
 
     def _settle(self, queued: int) -> None:
@@ -345,6 +354,8 @@ class UploadStream(io.RawIOBase):
             self._sink.put_pieces(self._path, pieces, crc)
         except io_errors() as exc:
             raise translate(exc, f"failed to write {self._uri}: {exc}") from exc
+        if self._progress is not None:
+            self._progress.add(self._size)
         return WriteResult(self.relpath, self._size, crc, blocks)
 
     def _complete(self) -> WriteResult:

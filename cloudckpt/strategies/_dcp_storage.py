@@ -67,6 +67,7 @@ from cloudckpt.errors import (
 from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
+from cloudckpt.storage.buffers import Progress
 from cloudckpt.strategies._dcp_objects import (
     BufferedObject,
     DcpObject,
@@ -176,9 +177,11 @@ class CloudStorageWriter(StorageWriter):
         (an unfinished one is removed or aborted on failure)."""
         out: list[DcpWriteResult] = []
         opened: list[StreamedObject] = []
+        total = sum(planned_size(item) for item in items)  # about: torch.save adds framing
+        progress = Progress("wrote", self.storage.uri, total, len(items))
 
         def open_object(path: str, capacity: int) -> StreamedObject:
-            opened.append(StreamedObject(path, self.storage.open_stream(path)))
+            opened.append(StreamedObject(path, self.storage.open_stream(path, progress)))
             return opened[-1]
 
         try:
@@ -188,6 +191,7 @@ class CloudStorageWriter(StorageWriter):
         finally:
             for obj in opened:
                 obj.abort()  # a no-op for those finished
+        progress.finish()
         return out
 
     def _write_buffered(
