@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
@@ -246,16 +247,23 @@ _MAX_KEY = 1 << 62
 
 
 def share_equal_sizes(plan: SavePlan) -> SavePlan:
-    """``plan`` with its equal ``torch.Size`` values made one object each (an item's
-    index offset and chunk offsets, chunk sizes, global sizes: few distinct ones), so
-    that its pickle refers to each once: the same plan when unpickled, sent and
-    unpickled by the coordinator in fewer bytes and less time. Changes the plan's own
-    (frozen) items in place, as their constructors set their fields; returns it."""
+    """``plan`` with its equal ``torch.Size`` values (an item's index offset and chunk
+    offsets, chunk sizes, global sizes) and ``TensorProperties`` made one object each
+    (there are few distinct ones), so that its pickle refers to each once: the same
+    plan when unpickled, sent and unpickled by the coordinator in fewer bytes and less
+    time (one ``TensorProperties.__setstate__`` per distinct value, not per item).
+    Changes the plan's own (frozen) items in place, as their constructors set their
+    fields; returns it."""
     pool: dict[torch.Size, torch.Size] = {}
+    properties: dict[tuple[Any, ...], Any] = {}
     for item in plan.items:
         data = item.tensor_data
         if data is None:
             continue
+        props = data.properties
+        if type(props) is TensorProperties:  # a plain dataclass: equal when its fields are
+            key = tuple(vars(props).items())
+            object.__setattr__(data, "properties", properties.setdefault(key, props))
         chunk = data.chunk
         chunk.offsets = pool.setdefault(chunk.offsets, chunk.offsets)
         chunk.sizes = pool.setdefault(chunk.sizes, chunk.sizes)
