@@ -109,3 +109,33 @@ def test_other_keys_fall_back_to_pickle_dumps() -> None:
     md.storage_data[MetadataIndex(key.fqn, [5, 5], 0)] = info  # a torch.Size made of a list
     object.__setattr__(next(iter(md.storage_data)), "offset", (0, 0))  # a plain tuple
     assert dumps_metadata(md) == pickle.dumps(md, protocol=4)
+
+
+def test_chunks_of_another_shape_are_left_to_the_pickler() -> None:
+    """A chunk whose offsets are a plain tuple: the chunk lists are pickled by the
+    pickler, the storage items still in columns; equal either way."""
+    md = copy.deepcopy(_metadata(sim.World(2, 2, 1, 16), 6))
+    tensor = next(v for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
+    tensor.chunks[0].offsets = tuple(tensor.chunks[0].offsets)
+    raw = dumps_metadata(md)
+    assert raw != pickle.dumps(md)
+    loaded = pickle.loads(raw)
+    _same(loaded, pickle.loads(pickle.dumps(md)))
+    assert type(loaded.state_dict_metadata[tensor_key(md, tensor)].chunks[0].offsets) is tuple
+
+
+def tensor_key(md: Metadata, value: object) -> str:
+    return next(k for k, v in md.state_dict_metadata.items() if v is value)
+
+
+def test_chunk_lists_in_columns_load_as_chunks() -> None:
+    md = _metadata(sim.World(2, 2, 2, 16), 13)
+    loaded = pickle.loads(dumps_metadata(md))
+    for key, value in md.state_dict_metadata.items():
+        chunks = getattr(value, "chunks", None)
+        if chunks is None:
+            continue
+        got = loaded.state_dict_metadata[key].chunks
+        assert type(got) is list and got == chunks
+        assert [list(vars(c)) for c in got] == [["offsets", "sizes"]] * len(chunks)
+        assert all(type(c.offsets) is type(c.sizes) is torch.Size for c in got)

@@ -19,7 +19,9 @@ type, an offset other than ``torch.Size``) make it fall back to ``pickle.dumps``
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import operator
 import pickle
 import struct
@@ -29,7 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 PROTOCOL = 4  # pickle.dumps's default protocol here: what the writer wrote before
 _INT32 = (-(1 << 31), (1 << 31) - 1)
@@ -37,6 +44,8 @@ _INT32 = (-(1 << 31), (1 << 31) - 1)
 _KEY_FIELDS = ("fqn", "index", "offset")
 _KEY_SHAPES = {_KEY_FIELDS, ("fqn", "index")}
 _INFO_FIELDS = ("relative_path", "offset", "length")
+#: the instance dicts of ``_StorageInfo``: as built, and as unpickled (no None values)
+_INFO_SHAPES = {(*_INFO_FIELDS, "transform_descriptors"), _INFO_FIELDS}
 
 
 def dumps_metadata(metadata: Metadata) -> bytes:
@@ -50,7 +59,8 @@ def dumps_metadata(metadata: Metadata) -> bytes:
         return pickle.dumps(metadata, protocol=PROTOCOL)
     out = _Stream()
     out.write(pickle.PROTO + bytes([PROTOCOL]))
-    _write_storage(out, storage, columns)
+    sizes = _write_storage(out, storage, columns)
+    _write_chunks(out, metadata, sizes)
     pickler = pickle.Pickler(out.buffer, protocol=PROTOCOL)
     pickler.memo = out.memo
     pickler.dump(metadata)
@@ -98,9 +108,9 @@ class _Columns:
         key_dicts, info_dicts = list(map(vars, keys)), list(map(vars, infos))
         if not set(map(tuple, key_dicts)) <= _KEY_SHAPES:
             return None
-        if set(map(tuple, info_dicts)) != {(*_INFO_FIELDS, "transform_descriptors")}:
+        if not set(map(tuple, info_dicts)) <= _INFO_SHAPES:
             return None
-        descriptors = list(map(operator.itemgetter("transform_descriptors"), info_dicts))
+        descriptors = list(map(operator.methodcaller("get", "transform_descriptors"), info_dicts))
         if descriptors.count(None) != len(descriptors):
             return None
         columns = {
@@ -174,26 +184,98 @@ def _global(cls: type) -> bytes:
     return _string(cls.__module__) + _string(cls.__qualname__) + pickle.STACK_GLOBAL
 
 
-def _write_storage(out: _Stream, storage: dict[Any, Any], cols: _Columns) -> None:
-    """Push ``storage`` rebuilt from ``cols`` and memoize it (the stack left empty)."""
-    for cls in (MetadataIndex, _StorageInfo, torch.Size):
+def _write_storage(out: _Stream, storage: dict[Any, Any], cols: _Columns) -> dict[Any, int]:
+    """Push ``storage`` rebuilt from ``cols`` and memoize it (the stack left empty);
+    the memo indices of the offsets (``torch.Size`` values)."""
+    for cls in (MetadataIndex, _StorageInfo, torch.Size, ChunkStorageMetadata):
         out.memoize(cls, _global)
-    names = {name: name for name in ("fqn", "offset", "index", "relative_path", "length")}
-    for name in names.values():
+    for name in _NAMES.values():
         out.memoize(name, _string)
-    size_get = out.get(torch.Size)
-
-    def push_size(size: torch.Size) -> bytes:
-        elements = b"".join(_int(int(v)) for v in size)
-        return size_get + pickle.MARK + elements + pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
-
     fqns = {s: out.memoize(s, _string) for s in dict.fromkeys(cols.fqn)}
     paths = {s: out.memoize(s, _string) for s in dict.fromkeys(cols.path)}
-    sizes = {s: out.memoize(s, push_size) for s in dict.fromkeys(cols.offset) if s is not None}
+    sizes = {
+        s: out.memoize(s, functools.partial(_push_size, out))
+        for s in dict.fromkeys(cols.offset)
+        if s is not None
+    }
     out.memoize(storage, lambda _: pickle.EMPTY_DICT)  # then pushed again, filled
     out.write(out.get(storage) + pickle.MARK)
-    out.write(_records(out, cols, fqns, paths, sizes, names))
+    out.write(_records(out, cols, fqns, paths, sizes, _NAMES))
     out.write(pickle.SETITEMS + pickle.POP)
+    return sizes
+
+
+#: the field names the records refer to (memoized once)
+_NAMES = {
+    name: name for name in ("fqn", "offset", "index", "relative_path", "length", "offsets", "sizes")
+}
+
+
+def _push_size(out: _Stream, size: torch.Size) -> bytes:
+    elements = b"".join(_int(int(v)) for v in size)
+    return (
+        out.get(torch.Size) + pickle.MARK + elements + pickle.TUPLE + pickle.TUPLE1 + pickle.REDUCE
+    )
+
+
+def _write_chunks(out: _Stream, metadata: Metadata, sizes: dict[Any, int]) -> None:
+    """Push and memoize each tensor's list of chunks (``ChunkStorageMetadata`` records
+    in columns), so that the pickler refers to them; nothing where a chunk or list has
+    another shape (the pickler writes them then)."""
+    lists = [
+        v.chunks
+        for v in metadata.state_dict_metadata.values()
+        if type(v) is TensorStorageMetadata and type(v.chunks) is list
+    ]
+    if not lists or len(set(map(id, lists))) != len(lists):
+        return
+    chunks = list(itertools.chain.from_iterable(lists))
+    if set(map(type, chunks)) != {ChunkStorageMetadata}:
+        return
+    dicts = list(map(vars, chunks))
+    if set(map(tuple, dicts)) != {("offsets", "sizes")}:
+        return
+    offsets = list(map(operator.itemgetter("offsets"), dicts))
+    lengths = list(map(operator.itemgetter("sizes"), dicts))
+    if set(map(type, offsets)) | set(map(type, lengths)) != {torch.Size}:
+        return
+    for size in itertools.chain(offsets, lengths):
+        if size not in sizes:
+            sizes[size] = out.memoize(size, functools.partial(_push_size, out))
+    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
+    offsets_name = out.get(_NAMES["offsets"])
+    parts: list[tuple[str, bytes | str]] = [
+        ("c0", out.get(ChunkStorageMetadata) + new + offsets_name + pickle.LONG_BINGET),
+        ("offsets", "<u4"),
+        ("c1", out.get(_NAMES["sizes"]) + pickle.LONG_BINGET),
+        ("sizes", "<u4"),
+        ("c2", pickle.SETITEMS + pickle.BUILD),
+    ]
+    rec = _record_array(parts, len(chunks))
+    rec["offsets"] = list(map(sizes.__getitem__, offsets))
+    rec["sizes"] = list(map(sizes.__getitem__, lengths))
+    raw, width = rec.tobytes(), rec.dtype.itemsize
+    pieces = []
+    done = 0
+    for chunk_list in lists:
+        pieces.append(pickle.EMPTY_LIST + pickle.MEMOIZE + pickle.MARK)
+        pieces.append(raw[done * width : (done + len(chunk_list)) * width])
+        pieces.append(pickle.APPENDS + pickle.POP)
+        out.memo[id(chunk_list)] = (len(out.memo), chunk_list)
+        done += len(chunk_list)
+    out.write(b"".join(pieces))
+
+
+def _record_array(parts: list[tuple[str, bytes | str]], n: int) -> Any:
+    """``n`` fixed-width records of ``parts``: (name, constant bytes or numpy type)."""
+    dtype = np.dtype(
+        [(f, p if isinstance(p, str) else f"S{len(p)}") for f, p in parts], align=False
+    )
+    rec = np.empty(n, dtype=dtype)
+    for name, part in parts:
+        if isinstance(part, bytes):
+            rec[name] = part
+    return rec
 
 
 def _records(
@@ -233,13 +315,8 @@ def _records(
         ("length", int_type),
         ("c6", end),
     ]
-    dtype = np.dtype(
-        [(f, p if isinstance(p, str) else f"S{len(p)}") for f, p in parts], align=False
-    )
-    rec = np.empty(n, dtype=dtype)
-    for name, part in parts:
-        if isinstance(part, bytes):
-            rec[name] = part
+    rec = _record_array(parts, n)
+    dtype = rec.dtype
     rec["fqn"] = list(map(fqns.__getitem__, cols.fqn))
     rec["path"] = list(map(paths.__getitem__, cols.path))
     if cols.all_plain:
@@ -249,7 +326,7 @@ def _records(
     rec["index"] = index
     rec["start"] = cols.start
     rec["length"] = cols.length
-    raw = rec.tobytes()
+    raw: bytes = rec.tobytes()
     if cols.all_plain:
         return raw
     width = dtype.itemsize
