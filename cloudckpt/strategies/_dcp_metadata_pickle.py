@@ -5,9 +5,11 @@
 Python (``_StorageInfo.__getstate__``), a few microseconds per item. :func:`dumps_metadata`
 writes the same objects as fixed-width pickle records built with numpy from the columns
 of ``storage_data`` (each item's key, chunk offset, index hint, path, offset, length),
-then lets the standard pickler write the ``Metadata`` itself: the pickler's memo is
-primed with what the records memoized (the dict, the classes, the keys, offsets and
-paths), so the ``Metadata`` refers to them. The stream unpickles with ``pickle.load``
+and each tensor's list of ``ChunkStorageMetadata`` the same way (offsets and sizes
+memoized once per distinct value), then lets the standard pickler write the
+``Metadata`` itself: the pickler's memo is primed with what the records memoized (the
+dict, the chunk lists, the classes, the keys, offsets and paths), so the ``Metadata``
+refers to them. The stream unpickles with ``pickle.load``
 (DCP's ``FileSystemReader``) and cloudckpt's restricted unpickler to a ``Metadata``
 equal to the one given, with the same classes and the same instance dicts (a
 ``_StorageInfo`` without ``transform_descriptors`` has none in its dict, as its
