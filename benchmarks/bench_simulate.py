@@ -86,6 +86,7 @@ from cloudckpt.session import regular_grid_for
 from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
+from cloudckpt.strategies._dcp_dist import create_global_plan
 from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
 from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
@@ -461,7 +462,9 @@ def _torch_dist_steps(
     coordinator, writer = planners[0], writers[0]
     with _paused(pause_gc):  # plan_save's gather, global step and scatter
         gathered = _exchange(row, "plan", "dcp_plan", local_plans)
-        planned, metadata = _timed(row, "plan", lambda: coordinator.create_global_plan(gathered))
+        planned, metadata = _timed(
+            row, "plan", lambda: create_global_plan(coordinator, writer, gathered)
+        )
         central = _timed(row, "plan", lambda: writer.prepare_global_plan(planned))
         updates = _timed(row, "plan", lambda: global_plan_updates(coordinator, planned, central))
         updates = _scatter(row, "plan", "dcp_plans", updates)

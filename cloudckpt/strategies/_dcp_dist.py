@@ -38,9 +38,11 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from cloudckpt import dist
 from cloudckpt.strategies._dcp_plan import (
     GlobalPlanUpdate,
+    LinearGlobalPlanMixin,
     apply_global_plan_update,
     global_plan_updates,
 )
+from cloudckpt.strategies._dcp_storage import CloudStorageWriter
 
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
@@ -218,7 +220,7 @@ def plan_save(
     def global_step(plans: list[SavePlan]) -> list[SavePlan | GlobalPlanUpdate]:
         nonlocal global_metadata
         with dist.paused_gc():  # every rank's items, planned at once (see paused_gc)
-            planned, global_metadata = planner.create_global_plan(plans)
+            planned, global_metadata = create_global_plan(planner, writer, plans)
             central = writer.prepare_global_plan(planned)
             return global_plan_updates(planner, planned, central)
 
@@ -263,6 +265,25 @@ def save_state_dict(
     return planned.finish()
 
 
+def create_global_plan(
+    planner: SavePlanner, writer: StorageWriter, plans: list[SavePlan]
+) -> tuple[list[SavePlan], Metadata]:
+    """The planner's global plans and metadata: without the index hints on the items
+    (:meth:`~cloudckpt.strategies._dcp_plan.LinearGlobalPlanMixin.
+    create_global_plan_unhinted`, the ranks set them from the scattered updates) where
+    the writer's ``prepare_global_plan`` is known to keep the items (cloudckpt's)."""
+    if isinstance(planner, LinearGlobalPlanMixin) and keeps_plan_items(writer):
+        return planner.create_global_plan_unhinted(plans)
+    return planner.create_global_plan(plans)
+
+
+def keeps_plan_items(writer: StorageWriter) -> bool:
+    """Whether ``writer.prepare_global_plan`` keeps each plan's items (it changes only
+    ``storage_data``): cloudckpt's writer, not a subclass that overrides the step."""
+    step = getattr(type(writer), "prepare_global_plan", None)
+    return isinstance(writer, CloudStorageWriter) and step is CloudStorageWriter.prepare_global_plan
+
+
 def _reusable_plans(
     cache: SavePlanCache | None, local_step: Any, wrapper: GuardedDistWrapper
 ) -> _CachedPlans | None:
@@ -279,4 +300,12 @@ def _reusable_plans(
     return cache.lookup(local, wrapper)
 
 
-__all__ = ["GuardedDistWrapper", "PlannedSave", "SavePlanCache", "plan_save", "save_state_dict"]
+__all__ = [
+    "GuardedDistWrapper",
+    "PlannedSave",
+    "SavePlanCache",
+    "create_global_plan",
+    "keeps_plan_items",
+    "plan_save",
+    "save_state_dict",
+]

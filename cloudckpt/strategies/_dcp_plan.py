@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import itertools
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -33,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
@@ -66,97 +66,204 @@ def linear_global_save_plan(
 
 
 def _linear_global(
-    all_plans: Sequence[SavePlan],
+    all_plans: Sequence[SavePlan], hinted: bool = True
 ) -> tuple[list[SavePlan], Metadata, list[array.array[int]]] | None:
     """:func:`linear_global_save_plan`, and per plan the index hint it set on each item
-    (-1: the item is kept as it is)."""
-    seen: set[tuple[str, Any]] = set()
+    (-1: the item is kept as it is). With ``hinted`` off, the plans keep their items
+    (the hints are only returned: :func:`apply_global_plan_update` sets them)."""
     md: dict[str, _STORAGE] = {}
+    tensors: dict[str, _Tensor] = {}
+    columns: dict[int, _Columns] = {}
     new_plans = []
     all_hints = []
     for plan in all_plans:
         if not plan.usable:
             return None
-        items = []
-        hints = array.array("q")
-        for item in plan.items:
-            index = item.index
-            unique = (index.fqn, index.offset)
-            if unique in seen:  # de-duplication (or an error) would follow: DCP decides
-                return None
-            seen.add(unique)
-            if item.type == WriteItemType.BYTE_IO:
-                if index.fqn in md:
-                    return None
-                md[index.fqn] = BytesStorageMetadata()
-                items.append(item)
-                hints.append(-1)
-                continue
-            data = item.tensor_data
-            if data is None or data.chunk is None:
-                return None
-            tensor_md = md.get(index.fqn)
-            if tensor_md is None:
-                tensor_md = md[index.fqn] = TensorStorageMetadata(data.properties, data.size, [])
-            elif not isinstance(tensor_md, TensorStorageMetadata) or (
-                item.type != WriteItemType.SHARD
-            ):
-                return None
-            hints.append(len(tensor_md.chunks))
-            items.append(_with_index_hint(item, hints[-1]))
-            tensor_md.chunks.append(data.chunk)
-        new_plans.append(dataclasses.replace(plan, items=items))
+        hints = _plan_hints(plan, md, tensors, columns)
+        if hints is None:
+            return None
+        if hinted:
+            items = [
+                item if hint < 0 else _with_index_hint(item, hint)
+                for item, hint in zip(plan.items, hints, strict=True)
+            ]
+            new_plans.append(dataclasses.replace(plan, items=items))
+        else:
+            new_plans.append(plan)
         all_hints.append(hints)
-    metadata = Metadata(md)
-    if not all(_valid_chunks(v, len(new_plans) > 1) for v in md.values()):
+    check_fill = len(new_plans) > 1
+    if not all(col.valid(check_fill) for ndim, col in columns.items() if ndim):
         return None
-    return new_plans, metadata, all_hints
+    return new_plans, Metadata(md), all_hints
 
 
-def _valid_chunks(value: _STORAGE, check_fill: bool) -> bool:
-    """True when DCP's ``_validate_global_plan`` finds no error for ``value``, proven
-    by bounds, a grid and (``check_fill``) the volume; False when it may find one."""
-    if isinstance(value, BytesStorageMetadata) or len(value.size) == 0:
-        return True
-    size = tuple(value.size)
-    chunks = value.chunks
-    volume = 0
-    for chunk in chunks:
-        if not len(chunk.offsets) == len(chunk.sizes) == len(size):
+#: a tensor's chunks in the metadata, its id among the tensors of its rank, its rank
+#: (number of dimensions) and the columns of its chunks
+_Tensor = tuple[list[ChunkStorageMetadata], int, int, "_Columns"]
+
+
+def _plan_hints(
+    plan: SavePlan,
+    md: dict[str, _STORAGE],
+    tensors: dict[str, _Tensor],
+    columns: dict[int, _Columns],
+) -> array.array[int] | None:
+    """Add ``plan``'s items to the metadata and the columns; the index hint of each
+    (-1: kept), or None where DCP must decide (a duplicate, a clash, a chunk whose
+    rank differs from its tensor's or that its index does not name)."""
+    hints = array.array("q")
+    for item in plan.items:
+        index = item.index
+        fqn = index.fqn
+        if item.type == WriteItemType.BYTE_IO:
+            if fqn in md:  # a duplicate (DCP de-duplicates) or a clash: DCP decides
+                return None
+            md[fqn] = BytesStorageMetadata()
+            hints.append(-1)
+            continue
+        data = item.tensor_data
+        if data is None or data.chunk is None:
+            return None
+        entry = tensors.get(fqn)
+        if entry is None:
+            if fqn in md:
+                return None
+            entry = _new_tensor(md, tensors, columns, fqn, data.properties, data.size)
+        elif item.type != WriteItemType.SHARD:
+            return None
+        chunks, tid, ndim, col = entry
+        chunk = data.chunk
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if len(offsets) != ndim or len(sizes) != ndim:
+            return None
+        if index.offset is not offsets and index.offset != offsets:
+            return None  # the index names another chunk: DCP decides
+        hints.append(len(chunks))
+        chunks.append(chunk)
+        col.tids.append(tid)
+        col.offsets.extend(offsets)
+        col.sizes.extend(sizes)
+    return hints
+
+
+def _new_tensor(
+    md: dict[str, _STORAGE],
+    tensors: dict[str, _Tensor],
+    columns: dict[int, _Columns],
+    fqn: str,
+    properties: Any,
+    size: torch.Size,
+) -> _Tensor:
+    """Register tensor ``fqn`` (its metadata, its id among the tensors of its rank)."""
+    value = md[fqn] = TensorStorageMetadata(properties, size, [])
+    ndim = len(size)
+    col = columns.get(ndim)
+    if col is None:
+        col = columns[ndim] = _Columns(ndim)
+    tid = len(col.extents) // max(ndim, 1) if ndim else 0
+    col.extents.extend(size)
+    entry = tensors[fqn] = (value.chunks, tid, ndim, col)
+    return entry
+
+
+#: offsets and sizes above this are left to DCP (their sums and volumes stay in int64)
+_MAX_EXTENT = 1 << 40
+
+
+class _Columns:
+    """The chunks of the tensors of one rank (number of dimensions), as columns: each
+    chunk's tensor id, offsets and sizes; each tensor's size."""
+
+    def __init__(self, ndim: int) -> None:
+        self.ndim = ndim
+        self.tids = array.array("q")
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        self.extents: list[int] = []
+
+    def valid(self, check_fill: bool) -> bool:
+        """True when DCP's ``_validate_global_plan`` finds no error for these tensors
+        and no two chunks of a tensor share their offsets, proven by bounds, a grid
+        and (``check_fill``) the volume; False when it may find one."""
+        try:
+            off = np.array(self.offsets, dtype=np.int64).reshape(-1, self.ndim)
+            sz = np.array(self.sizes, dtype=np.int64).reshape(-1, self.ndim)
+            ext = np.array(self.extents, dtype=np.int64).reshape(-1, self.ndim)
+        except (OverflowError, TypeError, ValueError):
             return False
-        for offset, length, dim in zip(chunk.offsets, chunk.sizes, size, strict=True):
-            if offset < 0 or length < 0 or offset + length > dim:
-                return False
-        volume += math.prod(chunk.sizes)
-    if check_fill and volume != math.prod(size):
+        tids = np.frombuffer(self.tids, dtype=np.int64)
+        if off.size and (off.min() < 0 or sz.min() < 0 or max(off.max(), sz.max()) > _MAX_EXTENT):
+            return False
+        if ext.size and ext.max() > _MAX_EXTENT:
+            return False
+        if (off + sz > ext[tids]).any():
+            return False
+        count = np.bincount(tids, minlength=len(ext))
+        if check_fill and not _fills(tids, sz, ext):
+            return False
+        return _on_grid_columns(tids, off, sz, ext, count)
+
+
+def _fills(tids: Any, sz: Any, ext: Any) -> bool:
+    """Whether the chunks' volumes add up to each tensor's (none above int64)."""
+    if np.prod(sz.astype(np.float64), axis=1).max(initial=0) > 2.0**62:
         return False
-    return len(chunks) < 2 or _on_grid(chunks, size)
+    if np.prod(ext.astype(np.float64), axis=1).max(initial=0) > 2.0**62:
+        return False
+    volume = np.zeros(len(ext), dtype=np.int64)
+    np.add.at(volume, tids, np.prod(sz, axis=1))
+    return bool((volume == np.prod(ext, axis=1)).all())
 
 
-def _on_grid(chunks: Iterable[ChunkStorageMetadata], size: tuple[int, ...]) -> bool:
-    """True when every chunk spans exactly one cell of the grid made by the chunks'
-    offsets in each dimension (distinct offsets, checked by the caller: disjoint)."""
-    chunks = list(chunks)
-    for dim, extent in enumerate(size):
-        bounds = sorted({c.offsets[dim] for c in chunks} | {extent})
-        following = dict(itertools.pairwise(bounds))
-        for c in chunks:
-            if following.get(c.offsets[dim]) != c.offsets[dim] + c.sizes[dim]:
-                return False
-    return True
+def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool:
+    """True when, in every tensor with two or more chunks, every chunk spans exactly
+    one cell of the grid made by the chunks' offsets in each dimension, and no two
+    chunks start at the same offsets (then they are disjoint)."""
+    several = count[tids] >= 2
+    if not several.any():
+        return True
+    tids, off, sz = tids[several], off[several], sz[several]
+    tensor_ids = np.arange(len(ext), dtype=np.int64)
+    cell = np.zeros(len(tids), dtype=np.int64)
+    cells = 1
+    for dim in range(off.shape[1]):
+        radix = int(ext[:, dim].max()) + 1
+        if radix * len(ext) > _MAX_KEY:
+            return False
+        starts = tids * radix + off[:, dim]
+        bounds = np.unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
+        pos = np.searchsorted(bounds, starts)
+        following = np.append(bounds, -1)[pos + 1]
+        if not (following == starts + sz[:, dim]).all():
+            return False
+        cells *= len(bounds)
+        if cells > _MAX_KEY:
+            return False
+        cell = cell * len(bounds) + pos
+    return len(np.unique(cell)) == len(cell)
+
+
+_MAX_KEY = 1 << 62
 
 
 def share_equal_sizes(plan: SavePlan) -> SavePlan:
-    """``plan`` with its equal ``torch.Size`` values made one object each (an item's
-    index offset and chunk offsets, chunk sizes, global sizes: few distinct ones), so
-    that its pickle refers to each once: the same plan when unpickled, sent and
-    unpickled by the coordinator in fewer bytes and less time. Changes the plan's own
-    (frozen) items in place, as their constructors set their fields; returns it."""
+    """``plan`` with its equal ``torch.Size`` values (an item's index offset and chunk
+    offsets, chunk sizes, global sizes) and ``TensorProperties`` made one object each
+    (there are few distinct ones), so that its pickle refers to each once: the same
+    plan when unpickled, sent and unpickled by the coordinator in fewer bytes and less
+    time (one ``TensorProperties.__setstate__`` per distinct value, not per item).
+    Changes the plan's own (frozen) items in place, as their constructors set their
+    fields; returns it."""
     pool: dict[torch.Size, torch.Size] = {}
+    properties: dict[tuple[Any, ...], Any] = {}
     for item in plan.items:
         data = item.tensor_data
         if data is None:
             continue
+        props = data.properties
+        if type(props) is TensorProperties:  # a plain dataclass: equal when its fields are
+            key = tuple(vars(props).items())
+            object.__setattr__(data, "properties", properties.setdefault(key, props))
         chunk = data.chunk
         chunk.offsets = pool.setdefault(chunk.offsets, chunk.offsets)
         chunk.sizes = pool.setdefault(chunk.sizes, chunk.sizes)
@@ -173,22 +280,40 @@ class LinearGlobalPlanMixin(DefaultSavePlanner):
 
     After the fast path, :attr:`index_hints` holds per plan the index hint set on each
     item (-1: kept): all that step changed (see :func:`global_plan_updates`); None
-    after DCP's own step."""
+    after DCP's own step. :attr:`items_hinted` is False after
+    :meth:`create_global_plan_unhinted`'s fast path: its plans keep the local items."""
 
     index_hints: list[array.array[int]] | None = None
+    items_hinted: bool = True
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, its equal sizes shared (:func:`share_equal_sizes`)."""
         return share_equal_sizes(super().create_local_plan())
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return self._global_plan(all_plans, hinted=True)
+
+    def create_global_plan_unhinted(
+        self, all_plans: list[SavePlan]
+    ) -> tuple[list[SavePlan], Metadata]:
+        """:meth:`create_global_plan`, except that on the fast path the plans keep their
+        local items, without the index hints (:attr:`index_hints` holds them): for a
+        coordinator that scatters :class:`GlobalPlanUpdate` s only, which set them on
+        each rank. DCP's own step (where the fast path does not apply) sets them."""
+        return self._global_plan(all_plans, hinted=False)
+
+    def _global_plan(
+        self, all_plans: list[SavePlan], hinted: bool
+    ) -> tuple[list[SavePlan], Metadata]:
         fast = None
         self.index_hints = None
+        self.items_hinted = True
         if not self.flatten_state_dict and not getattr(self, "_enable_plan_caching", False):
-            fast = _linear_global(all_plans)
+            fast = _linear_global(all_plans, hinted)
         if fast is None:
             return super().create_global_plan(all_plans)
         self.global_plan, self.metadata, self.index_hints = fast
+        self.items_hinted = hinted
         return self.global_plan, self.metadata
 
 
@@ -223,6 +348,10 @@ def global_plan_updates(
     for plan, new, hinted in zip(planned, central, hints, strict=True):
         if new.items is plan.items:  # the writer changed no item
             out.append(GlobalPlanUpdate(hinted, new.storage_data, new.planner_data, new.usable))
+        elif not getattr(planner, "items_hinted", True):
+            raise ValueError(
+                "the storage writer changed the items of plans planned without index hints"
+            )
         else:
             out.append(new)
     return out

@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import pickle
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as TaskFuture
@@ -68,6 +67,7 @@ from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
 from cloudckpt.storage.buffers import Progress
+from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata
 from cloudckpt.strategies._dcp_objects import (
     BufferedObject,
     DcpObject,
@@ -317,7 +317,7 @@ class CloudStorageWriter(StorageWriter):
             metadata.mcore_data = extra  # type: ignore[attr-defined]
         self.metadata = metadata
         if self.write_metadata:
-            self.results.append(self.storage.write(METADATA_FNAME, pickle.dumps(metadata)))
+            self.results.append(self.storage.write(METADATA_FNAME, dumps_metadata(metadata)))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
