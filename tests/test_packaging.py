@@ -46,7 +46,10 @@ def _imported_top_level_modules(package: Path) -> set[str]:
 
 # imported only on an extra's code path (cloudckpt/storage/s3.py), from a package that
 # the extra's own dependency brings: module -> (the extra's distribution, the module's)
-FROM_EXTRAS = {"botocore": ("s3fs", "botocore")}
+FROM_EXTRAS = {
+    "botocore": ("s3fs", "botocore"),
+    "aiohttp": ("s3fs", "aiohttp"),  # the request bodies sent from memory (_ViewPayload)
+}
 # imported only by `cloudckpt bench` (cloudckpt/bench/), declared by its own extra; and
 # there only when importable, declared nowhere (the AWS CRT: the user's choice), or
 # brought by boto3 (s3transfer, its transfer managers)
