@@ -104,7 +104,7 @@ def _round(
     figures["save"] = _phase(lambda: cloudckpt.save(state, ckpt), prof("save"))
     target = build_state(spec, rank, empty=True)
     figures["load"] = _phase(lambda: cloudckpt.load(target, ckpt), prof("load"))
-    del target
+    target.clear()  # the loaded copy is not kept through the next phase
     _remove(ckpt, rank)
     requests: list[Any] = []
     figures["async_blocking"] = _phase(

@@ -119,6 +119,12 @@ class ShardTable:
     def __len__(self) -> int:
         return len(self.shards) if self.shards is not None else self.dynamic.shape[1]
 
+    def key_names(self) -> set[str]:
+        """The keys of the shards it was built from."""
+        if self.shards is not None:
+            return {sh.key for sh in self.shards}
+        return set(decode_static(self.static).keys) if self.static else set()
+
 
 def check_metadata(shards: Iterable[ShardedBase]) -> None:
     """Run each ShardedTensor's and ShardedObject's own metadata checks on it without
