@@ -46,13 +46,14 @@ def device_of(group: Any = None) -> torch.device:
 
 _HEADER = 8  # bytes: the pickle's size (int64)
 _ROUND_ONE_BYTES = 1 << 18  # what a round-one all-gather may move into each rank
-_MAX_SLOT = 4096
+_MAX_SLOT = 1 << 16
 _MIN_SLOT = 64
 
 
 def slot_bytes(world: int) -> int:
     """Bytes of one object's round-one slot in a group of ``world`` ranks (header
-    included): 4 KiB up to 64 ranks, then smaller, down to 64 bytes."""
+    included): 64 KiB up to 4 ranks (an all-gather of 64 KiB slots among 4 gloo ranks
+    took no longer than one of 4 KiB), then 256 KiB / ``world``, down to 64 bytes."""
     return max(_MIN_SLOT, min(_MAX_SLOT, _ROUND_ONE_BYTES // max(world, 1)))
 
 

@@ -138,7 +138,11 @@ def check_metadata(shards: Iterable[ShardedBase]) -> None:
 def _dataless(sh: ShardedBase) -> ShardedBase:
     """A copy of ``sh`` without data, made without re-running its constructor's checks
     (``without_data`` would: a shard edited after it was made may fail them)."""
-    copied = copy.copy(sh)
+    if type(sh) in (ShardedTensor, ShardedObject):  # plain attributes: copied directly
+        copied = object.__new__(type(sh))
+        copied.__dict__.update(sh.__dict__)
+    else:
+        copied = copy.copy(sh)
     object.__setattr__(copied, "data", None)
     return copied
 
