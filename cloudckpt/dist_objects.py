@@ -164,7 +164,7 @@ def gather_objects(what: str, obj: Any, dst: int, group: Any = None) -> list[Any
 
 
 def broadcast_object(what: str, obj: Any, src: int, group: Any = None) -> Any:
-    """``src``'s ``obj`` on every rank.
+    """``src``'s ``obj`` on every rank (``obj`` itself on ``src``, unpickled elsewhere).
 
     Two rounds, size then pickle, as a scatter (see :func:`scatter_objects`): with one,
     a rank served before a lost peer (gloo's broadcast is a tree) would not learn of
@@ -180,6 +180,8 @@ def broadcast_object(what: str, obj: Any, src: int, group: Any = None) -> Any:
         else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     )
     await_works(what, [torch_dist.broadcast(buffer, src=src, group=group, async_op=True)], group)
+    if on_src:  # as torch.distributed's broadcast_object_list: src keeps its own object
+        return obj
     return pickle.loads(buffer.cpu().numpy().tobytes())
 
 
