@@ -38,6 +38,7 @@ from cloudckpt.mapping import (
 )
 from cloudckpt.redact import redact_uri
 from cloudckpt.session import local_metadata, log_rate, logged_failure, open_storage
+from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies.base import (
     LoadCommonStrategy,
@@ -52,12 +53,12 @@ from cloudckpt.strategies.bound import (
     bind_common_loader,
     bind_sharded_loader,
 )
+from cloudckpt.table_validation import check_gathered_sharding
 from cloudckpt.validation import (
     ALL_MODES,
     StrictHandling,
     parse_strict_flag,
     report_mismatch,
-    validate_sharding_integrity,
 )
 
 
@@ -255,15 +256,16 @@ def load_checkpoint(
     shown = redact_uri(uri)
     opened: list[tuple[StrictHandling, LoadSession, StateDict, LoadRequest]] = []
 
-    def open_and_split() -> list[ShardedBase] | None:
+    def open_and_split() -> ShardTable | None:
         """Open the checkpoint and split the request; what the other ranks need of it
-        (its shards' metadata, for validation and strict handling) or None."""
+        (its shards' metadata as a table, for validation and strict handling) or None."""
         handling = parse_strict_flag(strict)
         session = open_session()
         opened.append(
             (handling, session, session.common_state(), LoadRequest.of(sharded_state_dict, shown))
         )
-        return opened[0][3].local if _needs_global(handling, validate) else None
+        local = opened[0][3].local
+        return ShardTable.of(local) if _needs_global(handling, validate) else None
 
     # one collective: the agreement on opening carries every rank's shards' metadata
     gathered = dist.all_gather_agreed(f"opening checkpoint {shown!r}", open_and_split)
@@ -292,23 +294,24 @@ def _apply_strictness(
     request: LoadRequest,
     strict: StrictHandling,
     validate: bool,
-    gathered: list[list[ShardedBase]] | None = None,
+    gathered: list[ShardTable] | None = None,
 ) -> tuple[ShardedStateDict, set[str], set[str]]:
     """Validate the requested sharding and handle missing keys (stored, requested by no
     rank; ``*_ALL`` modes only) and unexpected keys (requested here, not stored) per
     ``strict``; unexpected keys are dropped from the request. Collective; a rank that
     raises (unexpected keys there only) makes every rank raise. ``gathered``: every
-    rank's shards' metadata when already gathered (else gathered here if needed)."""
+    rank's shards' metadata (:class:`ShardTable`, columnar: a fraction of the shards'
+    pickles, checked with arrays) when already gathered (else gathered here if needed)."""
     shown = session.storage.uri
     local = request.local
     if gathered is not None:
         global_metadata = gathered
     elif _needs_global(strict, validate):
-        global_metadata = dist.all_gather_object(local)
+        global_metadata = dist.all_gather_object(ShardTable.of(local))
     else:
-        global_metadata = [local]
+        global_metadata = [ShardTable.of(local)] if validate else []
     if validate:
-        validate_sharding_integrity(global_metadata, shown)
+        check_gathered_sharding(global_metadata, shown)
     if not StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         return request.sharded, set(), set()
     with dist.agree(f"checking the keys of checkpoint {shown!r}"):
@@ -316,7 +319,7 @@ def _apply_strictness(
         unexpected = {sh.key for sh in local} - stored
         missing: set[str] = set()
         if strict in ALL_MODES:
-            missing = stored - {sh.key for shards in global_metadata for sh in shards}
+            missing = stored - {key for table in global_metadata for key in table.key_names()}
         where = f"checkpoint {shown!r}, rank {dist.get_rank()}"
         report_mismatch(where, strict, missing, unexpected)
     sharded = request.sharded

@@ -125,8 +125,24 @@ def local_metadata(
         if isinstance(value, ShardedBase):
             if check_keys:
                 validate_relpath(value.key, uri)
-            metadata.append(value.without_data())
+            metadata.append(without_data(value))
     return metadata
+
+
+def without_data(sh: ShardedBase) -> ShardedBase:
+    """``sh.without_data()``; for cloudckpt's own ShardedTensor and ShardedObject (every
+    field an ``__init__`` field) a copy of its attributes whose ``__post_init__`` runs
+    again, which is what ``dataclasses.replace`` does, at a fraction of its cost."""
+    if type(sh) not in _PLAIN_SHARDS:
+        return sh.without_data()
+    copied = object.__new__(type(sh))
+    copied.__dict__.update(sh.__dict__)
+    copied.__dict__["data"] = None
+    copied.__post_init__()  # type: ignore[attr-defined]
+    return copied
+
+
+_PLAIN_SHARDS = (ShardedTensor, ShardedObject)
 
 
 @contextlib.contextmanager

@@ -119,6 +119,12 @@ class ShardTable:
     def __len__(self) -> int:
         return len(self.shards) if self.shards is not None else self.dynamic.shape[1]
 
+    def key_names(self) -> set[str]:
+        """The keys of the shards it was built from."""
+        if self.shards is not None:
+            return {sh.key for sh in self.shards}
+        return set(decode_static(self.static).keys) if self.static else set()
+
 
 def check_metadata(shards: Iterable[ShardedBase]) -> None:
     """Run each ShardedTensor's and ShardedObject's own metadata checks on it without
@@ -132,7 +138,11 @@ def check_metadata(shards: Iterable[ShardedBase]) -> None:
 def _dataless(sh: ShardedBase) -> ShardedBase:
     """A copy of ``sh`` without data, made without re-running its constructor's checks
     (``without_data`` would: a shard edited after it was made may fail them)."""
-    copied = copy.copy(sh)
+    if type(sh) in (ShardedTensor, ShardedObject):  # plain attributes: copied directly
+        copied = object.__new__(type(sh))
+        copied.__dict__.update(sh.__dict__)
+    else:
+        copied = copy.copy(sh)
     object.__setattr__(copied, "data", None)
     return copied
 

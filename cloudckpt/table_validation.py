@@ -89,6 +89,27 @@ def check_gathered_tables(
         validate_sharding_integrity(gathered.shards_of(suspicious), uri, regular_grid_for)
 
 
+def check_gathered_sharding(
+    tables: Sequence[ShardTable], uri: str, regular_grid_for: str | None = None
+) -> None:
+    """The sharding checks alone (a load's, on every rank's requested shards), as
+    :func:`~cloudckpt.validation.validate_sharding_integrity` runs them on the shards
+    the tables were built from (same errors): vectorized, then shard by shard for the
+    keys not proven valid.
+
+    Raises:
+        ShardingValidationError: from :func:`validate_sharding_integrity`.
+    """
+    gathered = Gathered.of(tables)
+    if gathered is None:  # some rank sent objects: the object-based checks, on all
+        validate_sharding_integrity([rebuild_shards(t) for t in tables], uri, regular_grid_for)
+        return
+    suspicious = gathered.suspicious_keys()
+    if suspicious.size:
+        logger.debug("checking %d key(s) of %s shard by shard", suspicious.size, uri)
+        validate_sharding_integrity(gathered.shards_of(suspicious), uri, regular_grid_for)
+
+
 def check_shards(
     gathered: Sequence[Sequence[ShardedBase]],
     layout: KeyLayout,
