@@ -34,7 +34,6 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.storage import CheckpointStorage
-from cloudckpt.storage.buffers import BufferReader
 from tests.fixtures_object_stores import (
     GS_CASES,
     S3_CASES,
@@ -125,30 +124,20 @@ def test_rm_then_verify_says_no_checkpoint(case: str, request: pytest.FixtureReq
 CORRUPT_OFFSET = 12345  # the byte of every full part flipped after its CRC-32C was computed
 
 
-class _CorruptingReader(BufferReader):
-    """A request body that flips one byte of a full part on its way out, after cloudckpt
-    computed the part's CRC-32C (every read of it, so that botocore's payload signature,
-    computed from a first read, matches the corrupt bytes: only the CRC-32C can tell)."""
+class _CorruptingPayload(cloudckpt.storage.s3._ViewPayload):
+    """A request body (sent from memory, after botocore signed the request: payloads to
+    loopback are unsigned, their CRC-32C header signed) with one byte of a full part
+    flipped on its way out, after cloudckpt computed the part's CRC-32C: only that
+    checksum can tell. Every attempt is corrupted alike."""
 
     part_size = 5 * MiB
 
-    def _flip(self, start: int, chunk: bytes) -> bytes:
-        if len(self) != self.part_size or not start <= CORRUPT_OFFSET < start + len(chunk):
-            return chunk
-        damaged = bytearray(chunk)
-        damaged[CORRUPT_OFFSET - start] ^= 0xFF
-        return bytes(damaged)
-
-    def read(self, size: int = -1) -> bytes:
-        start = self.tell()
-        return self._flip(start, super().read(size))
-
-    def readinto(self, buffer: Any) -> int:
-        start = self.tell()
-        data = self.read(memoryview(buffer).nbytes)
-        memoryview(buffer).cast("B")[: len(data)] = data
-        self.seek(start + len(data))
-        return len(data)
+    def __init__(self, pieces: list[memoryview]) -> None:
+        if sum(piece.nbytes for piece in pieces) == self.part_size:
+            damaged = bytearray(b"".join(pieces))
+            damaged[CORRUPT_OFFSET] ^= 0xFF
+            pieces = [memoryview(damaged)]
+        super().__init__(pieces)
 
 
 @pytest.mark.parametrize("case", S3_CASES)
@@ -164,7 +153,7 @@ def test_a_part_corrupted_in_flight_is_never_committed_unnoticed(
     weight = torch.randn(3 * MiB, generator=torch.Generator().manual_seed(0))  # 12 MiB
     state = {"w": ShardedTensor.from_rank_offsets("w", weight), "iteration": 1}
     config = CheckpointConfig(part_size=5 * MiB, chunk_size=None, backend="zarr")  # w/0: one object
-    monkeypatch.setattr(cloudckpt.storage.s3, "BufferReader", _CorruptingReader)
+    monkeypatch.setattr(cloudckpt.storage.s3, "_ViewPayload", _CorruptingPayload)
 
     if server.checks_crc32c:
         with pytest.raises(CheckpointingException) as info:
