@@ -23,21 +23,11 @@ from cloudckpt.strategies._dcp_plan import (
     linear_global_save_plan,
 )
 from cloudckpt.strategies._dcp_storage import CloudStorageWriter
-from cloudckpt.strategies.torch import _PackedObjectsSavePlanner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_simulate as sim
 
-
-def _local_plans(world: sim.World, tensors: int) -> list[SavePlan]:
-    shards_of = sim.rank_shards(world, tensors)
-    storage = open_checkpoint(f"memory://test-dcp-columns-{os.getpid()}")
-    plans = [sim.dcp_local_step(r, shards_of(r), storage)[2] for r in range(world.size)]
-    return [pickle.loads(pickle.dumps(p)) for p in plans]
-
-
-def _planner() -> _PackedObjectsSavePlanner:
-    return _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+from tests.test_dcp_plan import _local_plans, _planner  # the same plans, as gathered
 
 
 def _writer() -> CloudStorageWriter:
