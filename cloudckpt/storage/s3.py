@@ -86,7 +86,10 @@ class S3Transport(Transport):
         self.retrier = Retrier(retry, pool.slots, (self.counters, pool.counters))
         check_access(location)
 
-    def put(self, path: str, view: memoryview, checksum: int, **extra: Any) -> None:
+    def put(
+        self, path: str, view: memoryview | Sequence[memoryview], checksum: int, **extra: Any
+    ) -> None:
+        """One PUT of ``view`` (or of its pieces, in order) with its CRC-32C."""
         bucket, key, _ = self.fs.split_path(path)
         self.send(
             "put_object",
@@ -258,15 +261,7 @@ class S3Transport(Transport):
 
     def put_pieces(self, path: str, pieces: Sequence[memoryview], checksum: int) -> None:
         """Write a whole object from its pieces, in order, replacing any previous one."""
-        bucket, key, _ = self.fs.split_path(path)
-        self.send(
-            "put_object",
-            body=pieces,
-            Bucket=bucket,
-            Key=key,
-            ChecksumCRC32C=crc32c_base64(checksum),
-        )
-        self.fs.invalidate_cache(path)
+        self.put(path, pieces, checksum)
 
     def complete_multipart(self, item: PendingWrite, path: str) -> None:
         parts = [future.result() for future in item.futures]
