@@ -83,10 +83,7 @@ def check_gathered_tables(
         logger.warning("the key checks of %s disagreed; the exact ones passed", uri)
     if not sharding:
         return
-    suspicious = gathered.suspicious_keys()
-    if suspicious.size:
-        logger.debug("checking %d key(s) of %s shard by shard", suspicious.size, uri)
-        validate_sharding_integrity(gathered.shards_of(suspicious), uri, regular_grid_for)
+    _check_unproven(gathered, uri, regular_grid_for)
 
 
 def check_gathered_sharding(
@@ -104,6 +101,12 @@ def check_gathered_sharding(
     if gathered is None:  # some rank sent objects: the object-based checks, on all
         validate_sharding_integrity([rebuild_shards(t) for t in tables], uri, regular_grid_for)
         return
+    _check_unproven(gathered, uri, regular_grid_for)
+
+
+def _check_unproven(gathered: Gathered, uri: str, regular_grid_for: str | None) -> None:
+    """The exact, shard-by-shard checks of the keys the vectorized ones did not prove
+    valid (none in the common case)."""
     suspicious = gathered.suspicious_keys()
     if suspicious.size:
         logger.debug("checking %d key(s) of %s shard by shard", suspicious.size, uri)
