@@ -1,0 +1,364 @@
+"""Check cloudckpt's CUDA paths on a machine with a GPU, and measure staging there.
+
+    python benchmarks/check_cuda.py --size 2GiB --world-size 2 --dir /tmp/ck --json out.json
+
+Not a test (CI has no GPU, and the suite never depends on one): a script to run by hand
+where a GPU is present. It exits 2 without CUDA, 1 if a check failed, and prints one JSON
+document of checks and figures. Every rank of ``--world-size`` processes (gloo) holds the
+bench's synthetic GPT-like state (``cloudckpt.bench.workload``) on ``cuda:0`` (the ranks
+share the one GPU), and then:
+
+* ``sync_<backend>``: a save of the device state and a load into empty device tensors,
+  every tensor equal (torch_dist and zarr);
+* ``async``: three async torch_dist saves, each timed until ``save`` returns (what blocks
+  training) against the two ways to copy the same tensors to host memory: a plain
+  ``tensor.to("cpu")`` and copies into pinned buffers allocated beforehand. The pinned
+  host buffers must be reused across saves: the second and third stage into the buffers
+  of the first (when the state fits ``HostCopies``' limit), and every kept buffer is
+  pinned;
+* ``mutation``: after an async save has returned, every device tensor is changed in place
+  (as the next training step would) before the upload runs; the checkpoint must hold the
+  values of the save's time;
+* ``overlap``: the time of a training-like GPU step (bf16 matrix products) alone, and while
+  an async save uploads in the background (the device-to-host copies are done when save
+  returns; the upload runs on host threads);
+* ``nccl_world1``: (rank 0 alone, after the gloo run) a save and load with a one-rank NCCL
+  group, so object collectives go through CUDA tensors, with the fully parallel wrappers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import cloudckpt
+from cloudckpt.bench.workload import build_state, plan_workload
+from cloudckpt.config import parse_size
+from cloudckpt.mapping import ShardedTensor, is_main_replica
+from cloudckpt.strategies._host_copies import HOST_COPIES
+from cloudckpt.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+#: ``--dry-run-on-cpu`` runs every check with CPU tensors (to try this script without a GPU:
+#: the figures then mean nothing, and the pinned-buffer checks are not made)
+DEVICE = os.environ.get("CLOUDCKPT_CHECK_DEVICE", "cuda:0")
+CUDA = DEVICE.startswith("cuda")
+
+
+def _sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _tensors(state: Any) -> list[ShardedTensor]:
+    found: list[ShardedTensor] = []
+    for group in ("model", "optimizer"):
+        found += [v for v in state[group].values() if isinstance(v, ShardedTensor)]
+    return found
+
+
+def _to_device(state: Any) -> Any:
+    for sh in _tensors(state):
+        assert sh.data is not None
+        sh.data = sh.data.to(DEVICE)
+    _sync()
+    return state
+
+
+def _equal(loaded: Any, expected: dict[str, torch.Tensor]) -> None:
+    for group in ("model", "optimizer"):
+        for key, value in loaded[group].items():
+            want = expected[f"{group}/{key}"]
+            if not isinstance(value, torch.Tensor):
+                raise AssertionError(f"{key!r} loaded as {type(value).__name__}")
+            if value.device.type != torch.device(DEVICE).type:
+                raise AssertionError(f"{key!r} loaded to {value.device}, not the GPU")
+            if not torch.equal(value.cpu(), want):
+                raise AssertionError(f"{key!r} differs from the saved values")
+
+
+def _snapshot(state: Any) -> dict[str, torch.Tensor]:
+    out = {}
+    for group in ("model", "optimizer"):
+        for key, sh in state[group].items():
+            out[f"{group}/{key}"] = sh.data.detach().cpu().clone()
+    return out
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    _sync()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
+def _best(fn: Callable[[], object], repeat: int = 3) -> float:
+    return min(_timed(fn) for _ in range(repeat))
+
+
+def _copy_pageable(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        t.to("cpu")
+
+
+def _copy_pinned(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+    for t, b in zip(tensors, buffers, strict=True):
+        b.copy_(t, non_blocking=True)
+    _sync()
+
+
+def _gpu_steps(steps: int = 20, n: int = 8192) -> float:
+    n = n if CUDA else 512
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    _sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        a = (a @ b).clamp_(-1, 1)
+    _sync()
+    return (time.perf_counter() - start) / steps
+
+
+class _Checks:
+    def __init__(self, rank: int, root: str) -> None:
+        self.rank = rank
+        self.root = root
+        self.results: dict[str, Any] = {}
+
+    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        try:
+            self.results[name] = {"ok": True, **fn()}
+        except Exception as exc:  # noqa: BLE001 - a check's failure is reported, the others still run
+            self.results[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
+            print(f"rank {self.rank}: {name} FAILED: {exc!r}", file=sys.stderr, flush=True)
+        print(f"rank {self.rank}: {name}: {self.results[name]}", flush=True)
+        dist.barrier()
+        if self.rank == 0:  # each check's checkpoints removed: the disk holds one at a time
+            shutil.rmtree(self.root, ignore_errors=True)
+        dist.barrier()
+
+
+def _sync_check(spec: Any, rank: int, root: str, backend: str) -> dict[str, Any]:
+    state = _to_device(build_state(spec, rank))
+    expected = _snapshot(state)
+    uri = f"{root}/sync_{backend}"
+    save_s = _timed(lambda: cloudckpt.save(state, uri, (backend, 1)))
+    target = _to_device(build_state(spec, rank, empty=True))
+    loaded: dict[str, Any] = {}
+    load_s = _timed(lambda: loaded.update(cloudckpt.load(target, uri)))
+    _equal(loaded, expected)
+    return {"save_s": round(save_s, 4), "load_s": round(load_s, 4)}
+
+
+def _kept_pinned() -> bool:
+    buffers = [b for free in HOST_COPIES._free.values() for b in free]
+    return bool(buffers) and all(b.is_pinned() for b in buffers)
+
+
+def _kept_ptrs() -> set[int]:
+    return {b.data_ptr() for free in HOST_COPIES._free.values() for b in free}
+
+
+def _async_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
+    state = _to_device(build_state(spec, rank))
+    tensors = [sh.data for sh in _tensors(state) if is_main_replica(sh.replica_id)]
+    tensors = [t for t in tensors if t is not None]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    start = time.perf_counter()
+    buffers = [torch.empty_like(t, device="cpu", pin_memory=CUDA) for t in tensors]
+    pin_alloc = time.perf_counter() - start
+    pageable = _best(lambda: _copy_pageable(tensors))
+    pinned = _best(lambda: _copy_pinned(tensors, buffers))
+    buffers.clear()
+    blocking: list[float] = []
+    reused: list[bool] = []
+    HOST_COPIES.clear()
+    for i in range(3):
+        before = _kept_ptrs()
+        request: list[Any] = []
+        uri = f"{root}/async_{i}"
+        blocking.append(_timed(functools.partial(_async_save, state, uri, request)))
+        request[0].execute_sync()
+        dist.barrier()
+        reused.append(bool(before) and before <= _kept_ptrs())
+    return {
+        "main_replica_bytes": nbytes,
+        "hostcopies_pin": HOST_COPIES.pin,
+        "kept_bytes": HOST_COPIES.kept_bytes,
+        "limit_bytes": HOST_COPIES.limit_bytes,
+        "kept_all_pinned": _kept_pinned(),
+        "reused_on_saves_2_3": reused[1:],
+        "copy_pageable_s": round(pageable, 4),
+        "copy_pinned_s": round(pinned, 4),
+        "pinned_GBps": round(nbytes / pinned / 1e9, 2),
+        "pinned_alloc_s": round(pin_alloc, 4),
+        "blocking_s": [round(b, 4) for b in blocking],
+        "blocking_over_pinned_copy": [round(b / pinned, 2) for b in blocking],
+        "blocking_over_pageable_copy": [round(b / pageable, 2) for b in blocking],
+    }
+
+
+def _async_save(state: Any, uri: str, into: list[Any]) -> None:
+    into.append(cloudckpt.save(state, uri, async_sharded_save=True))
+
+
+def _mutation_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
+    state = _to_device(build_state(spec, rank))
+    expected = _snapshot(state)
+    uri = f"{root}/mutation"
+    request = cloudckpt.save(state, uri, async_sharded_save=True)
+    for sh in _tensors(state):
+        sh.data.add_(1)  # the next training step, before the upload ran
+    _sync()
+    request.execute_sync()
+    dist.barrier()
+    loaded = cloudckpt.load(_to_device(build_state(spec, rank, empty=True)), uri)
+    _equal(loaded, expected)
+    return {"tensors": len(expected)}
+
+
+def _overlap_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
+    state = _to_device(build_state(spec, rank))
+    _gpu_steps(3)
+    alone = min(_gpu_steps() for _ in range(2))
+    dist.barrier()
+    request = cloudckpt.save(state, f"{root}/overlap", async_sharded_save=True)
+    during = _gpu_steps()
+    request.execute_sync()
+    dist.barrier()
+    return {
+        "step_alone_s": round(alone, 5),
+        "step_during_upload_s": round(during, 5),
+        "slowdown": round(during / alone, 3),
+    }
+
+
+def _rank_main(rank: int, world: int, port: int, size: int, root: str, out: str) -> None:
+    if CUDA:
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    spec = plan_workload(size, world)
+    checks = _Checks(rank, root)
+    for backend in ("torch_dist", "zarr"):
+        checks.run(f"sync_{backend}", lambda b=backend: _sync_check(spec, rank, root, b))
+    checks.run("async", lambda: _async_check(spec, rank, root))
+    checks.run("mutation", lambda: _mutation_check(spec, rank, root))
+    checks.run("overlap", lambda: _overlap_check(spec, rank, root))
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(checks.results))
+
+
+def _nccl_main(rank: int, port: int, size: int, root: str, out: str) -> None:
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    spec = plan_workload(size, 1)
+    checks = _Checks(0, root)
+
+    def check() -> dict[str, Any]:
+        state = _to_device(build_state(spec, 0))
+        expected = _snapshot(state)
+        uri = f"{root}/nccl"
+        save = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1))
+        save_s = _timed(lambda: cloudckpt.save(state, uri, save))
+        load = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+        loaded: dict[str, Any] = {}
+        target = _to_device(build_state(spec, 0, empty=True))
+        load_s = _timed(lambda: loaded.update(cloudckpt.load(target, uri, load)))
+        _equal(loaded, expected)
+        return {"save_s": round(save_s, 4), "load_s": round(load_s, 4)}
+
+    checks.run("nccl_world1", check)
+    dist.destroy_process_group()
+    Path(out, "nccl.json").write_text(json.dumps(checks.results))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="2GiB", help="state size over all ranks")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dir", default=None, help="a local directory to write under")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--dry-run-on-cpu",
+        action="store_true",
+        help="CPU tensors, gloo only: try the script without a GPU",
+    )
+    args = parser.parse_args(argv)
+    if args.dry_run_on_cpu:
+        os.environ["CLOUDCKPT_CHECK_DEVICE"] = "cpu"  # the spawned ranks read it
+    elif not torch.cuda.is_available():
+        print("check_cuda: no CUDA device here", file=sys.stderr)
+        return 2
+    size = parse_size(args.size)
+    root = tempfile.mkdtemp(prefix="cloudckpt-cuda-", dir=args.dir)
+    out = tempfile.mkdtemp(prefix="cloudckpt-cuda-results-")
+    try:
+        mp.start_processes(
+            _rank_main,
+            (args.world_size, _free_port(), size, f"{root}/gloo", out),
+            nprocs=args.world_size,
+            start_method="spawn",
+        )
+        if not args.dry_run_on_cpu:
+            mp.start_processes(
+                _nccl_main,
+                (_free_port(), size // args.world_size, f"{root}/nccl", out),
+                nprocs=1,
+                start_method="spawn",
+            )
+        results = {
+            "device": torch.cuda.get_device_name(0) if not args.dry_run_on_cpu else "cpu",
+            "torch": torch.__version__,
+            "size": size,
+            "world_size": args.world_size,
+            "ranks": [
+                json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.world_size)
+            ],
+            "nccl": json.loads(Path(out, "nccl.json").read_text())
+            if not args.dry_run_on_cpu
+            else {},
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    checks = [c for rank in results["ranks"] for c in rank.values()] + list(
+        results["nccl"].values()
+    )
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "4")
+    sys.exit(main())
