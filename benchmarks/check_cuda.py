@@ -19,9 +19,14 @@ share the one GPU), and then:
 * ``mutation``: after an async save has returned, every device tensor is changed in place
   (as the next training step would) before the upload runs; the checkpoint must hold the
   values of the save's time;
-* ``overlap``: the time of a training-like GPU step (bf16 matrix products) alone, and while
-  an async save uploads in the background (the device-to-host copies are done when save
-  returns; the upload runs on host threads);
+* ``overlap``: a training-like GPU step (12 bf16 matrix products) timed alone, then every
+  step while an async save uploads in the background, driven as Megatron's loop drives it
+  (``AsyncCallsQueue.schedule_async_request``, then ``maybe_finalize_async_calls`` every
+  step), then after it. The ranks share the one GPU, so every rank's steps start together
+  in all three (a barrier before each alone or after): ``slowdown`` is during / alone;
+  ``slowdown_vs_after`` compares with the steps right after the save;
+* ``blocking_profile`` (in ``async``): cProfile of a repeated async save's blocking part
+  on rank 0 (with ``cached_metadata=True``, Megatron's ``ckpt_assume_constant_structure``);
 * ``nccl_world1``: (rank 0 alone, after the gloo run) a save and load with a one-rank NCCL
   group, so object collectives go through CUDA tensors, with the fully parallel wrappers.
 """
@@ -29,11 +34,15 @@ share the one GPU), and then:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
 import os
+import pstats
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -51,6 +60,7 @@ from cloudckpt.bench.workload import build_state, plan_workload
 from cloudckpt.config import parse_size
 from cloudckpt.mapping import ShardedTensor, is_main_replica
 from cloudckpt.strategies._host_copies import HOST_COPIES
+from cloudckpt.strategies.async_utils import AsyncCallsQueue
 from cloudckpt.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
@@ -127,18 +137,6 @@ def _copy_pinned(tensors: list[torch.Tensor], buffers: list[torch.Tensor]) -> No
     _sync()
 
 
-def _gpu_steps(steps: int = 20, n: int = 8192) -> float:
-    n = n if CUDA else 512
-    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    _sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        a = (a @ b).clamp_(-1, 1)
-    _sync()
-    return (time.perf_counter() - start) / steps
-
-
 class _Checks:
     def __init__(self, rank: int, root: str) -> None:
         self.rank = rank
@@ -190,17 +188,11 @@ def _async_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
     pageable = _best(lambda: _copy_pageable(tensors))
     pinned = _best(lambda: _copy_pinned(tensors, buffers))
     buffers.clear()
-    blocking: list[float] = []
-    reused: list[bool] = []
     HOST_COPIES.clear()
-    for i in range(3):
-        before = _kept_ptrs()
-        request: list[Any] = []
-        uri = f"{root}/async_{i}"
-        blocking.append(_timed(functools.partial(_async_save, state, uri, request)))
-        request[0].execute_sync()
-        dist.barrier()
-        reused.append(bool(before) and before <= _kept_ptrs())
+    plain, reused = _async_saves(state, f"{root}/plain", None)
+    cached = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    constant, _ = _async_saves(state, f"{root}/constant", cached)
+    profile = _blocking_profile(state, f"{root}/profiled", cached)  # collective
     return {
         "main_replica_bytes": nbytes,
         "hostcopies_pin": HOST_COPIES.pin,
@@ -212,14 +204,46 @@ def _async_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
         "copy_pinned_s": round(pinned, 4),
         "pinned_GBps": round(nbytes / pinned / 1e9, 2),
         "pinned_alloc_s": round(pin_alloc, 4),
-        "blocking_s": [round(b, 4) for b in blocking],
-        "blocking_over_pinned_copy": [round(b / pinned, 2) for b in blocking],
-        "blocking_over_pageable_copy": [round(b / pageable, 2) for b in blocking],
+        "blocking_s": [round(b, 4) for b in plain],
+        "blocking_over_pinned_copy": [round(b / pinned, 2) for b in plain],
+        "blocking_over_pageable_copy": [round(b / pageable, 2) for b in plain],
+        "constant_structure_blocking_s": [round(b, 4) for b in constant],
+        "constant_structure_over_pinned_copy": [round(b / pinned, 2) for b in constant],
+        "blocking_profile": profile if rank == 0 else "",
     }
 
 
-def _async_save(state: Any, uri: str, into: list[Any]) -> None:
-    into.append(cloudckpt.save(state, uri, async_sharded_save=True))
+def _async_saves(state: Any, root: str, strategy: Any) -> tuple[list[float], list[bool]]:
+    """Three async saves, run to the end one after another: the time each blocked, and
+    whether it staged into the kept buffers of the one before."""
+    blocking: list[float] = []
+    reused: list[bool] = []
+    for i in range(3):
+        before = _kept_ptrs()
+        request: list[Any] = []
+        save = functools.partial(_async_save, state, f"{root}_{i}", request, strategy)
+        blocking.append(_timed(save))
+        request[0].execute_sync()
+        dist.barrier()
+        reused.append(bool(before) and before <= _kept_ptrs())
+    return blocking, reused
+
+
+def _blocking_profile(state: Any, root: str, strategy: Any) -> str:
+    """cProfile of an async save's blocking part (a repeated, cached-plan one), top 15."""
+    request: list[Any] = []
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _async_save(state, root, request, strategy)
+    profiler.disable()
+    request[0].execute_sync()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(15)
+    return text.getvalue()
+
+
+def _async_save(state: Any, uri: str, into: list[Any], strategy: Any = None) -> None:
+    into.append(cloudckpt.save(state, uri, strategy, async_sharded_save=True))
 
 
 def _mutation_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
@@ -238,19 +262,61 @@ def _mutation_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
 
 
 def _overlap_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
+    """Training steps while an async save uploads in the background, driven as Megatron's
+    loop drives it: ``schedule_async_request`` after the save, then every step
+    ``maybe_finalize_async_calls`` (a collective) until the save is finalized."""
     state = _to_device(build_state(spec, rank))
-    _gpu_steps(3)
-    alone = min(_gpu_steps() for _ in range(2))
+    steps = _Steps()
+    alone = _lockstep(steps, 8)[2:]  # the ranks share the GPU: their steps run together
+    queue = AsyncCallsQueue()
     dist.barrier()
-    request = cloudckpt.save(state, f"{root}/overlap", async_sharded_save=True)
-    during = _gpu_steps()
-    request.execute_sync()
-    dist.barrier()
+    start = time.perf_counter()
+    queue.schedule_async_request(cloudckpt.save(state, f"{root}/overlap", async_sharded_save=True))
+    blocked = time.perf_counter() - start
+    during: list[float] = []
+    while queue.get_num_unfinalized_calls():
+        during.append(steps.one())
+        queue.maybe_finalize_async_calls()
+    upload = time.perf_counter() - start
+    after = _lockstep(steps, 6)
+    mean_alone, mean_during = statistics.mean(alone), statistics.mean(during)
     return {
-        "step_alone_s": round(alone, 5),
-        "step_during_upload_s": round(during, 5),
-        "slowdown": round(during / alone, 3),
+        "step_alone_s": round(mean_alone, 5),
+        "steps_during_upload": len(during),
+        "step_during_upload_mean_s": round(mean_during, 5),
+        "step_after_s": round(statistics.mean(after), 5),
+        "slowdown": round(mean_during / mean_alone, 3),
+        "slowdown_vs_after": round(mean_during / statistics.mean(after), 3),
+        "save_blocked_s": round(blocked, 4),
+        "save_to_finalized_s": round(upload, 4),
     }
+
+
+def _lockstep(steps: _Steps, count: int) -> list[float]:
+    """``count`` steps, every rank's started together (as the save's collectives make
+    them during the upload): each step's time."""
+    times = []
+    for _ in range(count):
+        dist.barrier()
+        times.append(steps.one())
+    return times
+
+
+class _Steps:
+    """A training-like GPU step: 12 chained bf16 matrix products (4096^3), then a wait."""
+
+    def __init__(self, n: int = 4096) -> None:
+        n = n if CUDA else 256
+        self.a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+        self.b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+
+    def one(self) -> float:
+        start = time.perf_counter()
+        a = self.a
+        for _ in range(12):
+            a = (a @ self.b).clamp_(-1, 1)
+        _sync()
+        return time.perf_counter() - start
 
 
 def _rank_main(rank: int, world: int, port: int, size: int, root: str, out: str) -> None:
