@@ -169,34 +169,68 @@ def _sync_check(spec: Any, rank: int, root: str, backend: str) -> dict[str, Any]
 
 
 def _kept_pinned() -> bool:
-    buffers = [b for free in HOST_COPIES._free.values() for b in free]
+    buffers = HOST_COPIES.kept_buffers()
     return bool(buffers) and all(b.is_pinned() for b in buffers)
 
 
 def _kept_ptrs() -> set[int]:
-    return {b.data_ptr() for free in HOST_COPIES._free.values() for b in free}
+    return {b.data_ptr() for b in HOST_COPIES.kept_buffers()}
+
+
+def _allocator_bytes() -> int | None:
+    """Bytes of PyTorch's caching pinned-host allocator (active and cached), if it says."""
+    if not CUDA:
+        return None
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return None
+    for key in ("allocated_bytes.current", "reserved_bytes.current"):
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
+def _empty_allocator_cache() -> None:
+    if CUDA and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
 
 
 def _async_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
     state = _to_device(build_state(spec, rank))
     tensors = [sh.data for sh in _tensors(state) if is_main_replica(sh.replica_id)]
     tensors = [t for t in tensors if t is not None]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    nbytes = sum(sizes)
     start = time.perf_counter()
     buffers = [torch.empty_like(t, device="cpu", pin_memory=CUDA) for t in tensors]
     pin_alloc = time.perf_counter() - start
     pageable = _best(lambda: _copy_pageable(tensors))
     pinned = _best(lambda: _copy_pinned(tensors, buffers))
     buffers.clear()
+    _empty_allocator_cache()
     HOST_COPIES.clear()
+    rss_before = _rss()
     plain, reused = _async_saves(state, f"{root}/plain", None)
     cached = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
     constant, _ = _async_saves(state, f"{root}/constant", cached)
     profile = _blocking_profile(state, f"{root}/profiled", cached)  # collective
-    return {
+    figures = {
         "main_replica_bytes": nbytes,
         "hostcopies_pin": HOST_COPIES.pin,
         "kept_bytes": HOST_COPIES.kept_bytes,
+        "registered_bytes": HOST_COPIES.registered_bytes,
+        "allocator_bytes": _allocator_bytes(),
+        "rss_growth_bytes": _rss() - rss_before,
         "limit_bytes": HOST_COPIES.limit_bytes,
         "kept_all_pinned": _kept_pinned(),
         "reused_on_saves_2_3": reused[1:],
@@ -211,6 +245,30 @@ def _async_check(spec: Any, rank: int, root: str) -> dict[str, Any]:
         "constant_structure_over_pinned_copy": [round(b / pinned, 2) for b in constant],
         "blocking_profile": profile if rank == 0 else "",
     }
+    figures["allocator_mode"] = _allocator_mode(state, root, sizes)
+    return figures
+
+
+def _allocator_mode(state: Any, root: str, sizes: list[int]) -> dict[str, Any]:
+    """The same async saves with every buffer from PyTorch's caching pinned allocator
+    (what ``pin_memory=True`` gives), for comparison: its pinned bytes and blocking."""
+    HOST_COPIES.clear()
+    _empty_allocator_cache()
+    rss_before = _rss()
+    threshold = HOST_COPIES.register_min_bytes
+    HOST_COPIES.register_min_bytes = 1 << 62
+    try:
+        blocking, reused = _async_saves(state, f"{root}/allocator", None)
+        return {
+            "blocking_s": [round(b, 4) for b in blocking],
+            "reused_on_saves_2_3": reused[1:],
+            "allocator_bytes": _allocator_bytes(),
+            "rss_growth_bytes": _rss() - rss_before,
+            "power_of_two_rounded_bytes": sum(_power_of_two(n) for n in sizes),
+        }
+    finally:
+        HOST_COPIES.clear()
+        HOST_COPIES.register_min_bytes = threshold
 
 
 def _async_saves(state: Any, root: str, strategy: Any) -> tuple[list[float], list[bool]]:

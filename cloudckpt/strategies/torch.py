@@ -416,13 +416,15 @@ class StagedDcpSave:
 
     def upload(self) -> None:
         """Serialize and upload this rank's items (no collective). The host copies are
-        released once written."""
-        self._items = self._planned.write()
-        self._planned.planner.set_up_planner(
-            {}, is_coordinator=self._planned.wrapper.is_coordinator
-        )
-        HOST_COPIES.release(self._lent)
-        self._lent = []
+        released once written, or once the upload failed (the save is lost then)."""
+        try:
+            self._items = self._planned.write()
+            self._planned.planner.set_up_planner(
+                {}, is_coordinator=self._planned.wrapper.is_coordinator
+            )
+        finally:
+            HOST_COPIES.release(self._lent)
+            self._lent = []
 
     def finish(self) -> list[WriteResult]:
         """Gather every rank's item results; the coordinator writes ``.metadata``.
