@@ -22,7 +22,7 @@ import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cloudckpt import dist
 from cloudckpt.commit import commit, commit_gathered, require_empty, tensor_piece, write_claim
@@ -283,32 +283,52 @@ class SaveSession:
         claimed = prepared.claimed
         results: list[WriteResult] = [claimed] if claimed is not None else []
         error: BaseException | None = None
+        finish: DeferredFinish | None = None
         try:
             with logged_failure("save", shown):
-                results.extend(self._write(prepared.parts, prepared.common_bytes))
+                written, finish = self._write_deferring(prepared.parts, prepared.common_bytes)
+                results.extend(written)
         except Exception as exc:  # noqa: BLE001 - every rank learns of it in the commit
             error = exc
-        manifest = self._commit_agreed(prepared, results, error)
+        manifest = self._commit_agreed(prepared, results, error, finish)
         log_rate("saved", shown, sum(r.size for r in results), len(results), started)
         return manifest
 
+    def _write_deferring(
+        self, parts: StateParts, common_bytes: bytes | None
+    ) -> tuple[list[WriteResult], DeferredFinish | None]:
+        """:meth:`_write`, with the sharded strategy's last collective step (torch_dist:
+        ``.metadata``) deferred to the commit where the strategy offers it."""
+        deferring = getattr(self.sharded, "save_deferring_finish", None)
+        if deferring is None or not getattr(self.sharded, "finish_deferrable", False):
+            return self._write(parts, common_bytes), None
+        _, tensors, _, sharded = parts
+        state = sharded if self.objects_with_tensors else tensors
+        results, finish = deferring(self.storage, state, self.config)
+        return results + self._write_common(parts, common_bytes, self.storage), finish
+
     def _commit_agreed(
-        self, prepared: Prepared, results: list[WriteResult], error: BaseException | None
+        self,
+        prepared: Prepared,
+        results: list[WriteResult],
+        error: BaseException | None,
+        finish: DeferredFinish | None = None,
     ) -> Manifest | None:
         """The agreement on the writes and the commit, in two collectives (where an
         agreement, a gather of the commit records and an agreement on the commit made
-        three): every rank sends the coordinator its commit record, or its failure;
-        the coordinator commits only when no rank failed, and broadcasts its verdict
-        (a rank's failure to write, or its own to commit), raised on every rank."""
+        three, and torch_dist's finish two more): every rank sends the coordinator its
+        commit record (and ``finish``'s payload), or its failure; the coordinator
+        finishes (``.metadata``) and commits only when no rank failed, and broadcasts
+        its verdict (a rank's failure to write, its own to finish or to commit), raised
+        on every rank."""
         shown = self.storage.uri
         whats = (f"saving checkpoint {shown!r}", f"committing checkpoint {shown!r}")
         rank = dist.get_rank()
-        record = None
+        sent = None
         if error is None:
-            common = common_key_paths(prepared.parts[2]) if rank == COORDINATOR else []
-            record = CommitRecord.of(results, prepared.entries, common)
-            record = record.piece(*tensor_piece(prepared.digests, rank))
-        gathered = dist.gather_reported(error, record, whats[0], COORDINATOR)
+            payload = finish.payload if finish is not None else None
+            sent = (self._record(prepared, results, rank), payload)
+        gathered = dist.gather_reported(error, sent, whats[0], COORDINATOR)
         manifest: Manifest | None = None
         verdict: tuple[int, list[Any]] | None = None
         own = error
@@ -317,14 +337,20 @@ class SaveSession:
             if any(report is not None for report in reports):
                 verdict = (0, reports)
             else:
+                records = [rec for _, (rec, _) in gathered]
+                phase = 0
                 try:
-                    records = [rec for _, rec in gathered]
-                    manifest = commit_gathered(
-                        self.storage, records, self.backends, prepared.claimed
-                    )
+                    if finish is not None:  # .metadata: a write of the coordinator's
+                        results.extend(finish.finish_on_coordinator([p for _, (_, p) in gathered]))
+                        records[rank] = self._record(prepared, results, rank)
+                    phase = 1
+                    claimed = prepared.claimed
+                    manifest = commit_gathered(self.storage, records, self.backends, claimed)
                 except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                     own = exc
-                    verdict = (1, [dist.failure_report(exc)] + [None] * (len(reports) - 1))
+                    failed = [dist.failure_report(exc)] + [None] * (len(reports) - 1)
+                    verdict = (phase, failed)
+                del records
             del gathered  # before the collector runs again
         verdict = dist.broadcast_object(verdict, COORDINATOR, what=f"agreeing on {whats[1]}")
         if verdict is not None:
@@ -333,6 +359,13 @@ class SaveSession:
                 reports, own if phase == 0 or rank == COORDINATOR else None, whats[phase]
             )
         return manifest
+
+    def _record(self, prepared: Prepared, results: list[WriteResult], rank: int) -> CommitRecord:
+        """This rank's commit record: its piece of the tensor entries it shares with its
+        replicas (see :func:`~cloudckpt.commit.tensor_piece`)."""
+        common = common_key_paths(prepared.parts[2]) if rank == COORDINATOR else []
+        record = CommitRecord.of(results, prepared.entries, common)
+        return record.piece(*tensor_piece(prepared.digests, rank))
 
     def save_async(
         self,
@@ -509,6 +542,17 @@ class SaveSession:
         if not self.objects_with_tensors:
             results += self.common.save_objects_to(storage, objects)
         return results
+
+
+class DeferredFinish(Protocol):
+    """A sharded strategy's last collective step, deferred to the commit (see
+    :meth:`SaveSession._commit_agreed`): :attr:`payload` travels to the coordinator
+    with the commit record; the coordinator's :meth:`finish_on_coordinator` writes
+    from every rank's (by rank) and returns its write results."""
+
+    payload: Any
+
+    def finish_on_coordinator(self, payloads: list[Any]) -> list[WriteResult]: ...
 
 
 @dataclass(frozen=True)

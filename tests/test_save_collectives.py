@@ -6,10 +6,11 @@ coordinator follows: it travels with what that rank sends, and the coordinator's
 rank's keys carries the agreements on opening and preparing (and every rank's tensor
 digest); its verdict carries the checks, the claim, rank 0's common state and the
 digests; the gather of the commit records carries the agreement on the writes, and the
-verdict of the commit is the last collective. No rank skips a collective that another
-enters (every rank sends, whether it failed or not), so none is left waiting; the
-failure tests (test_failure_agreement, test_bounded_failure, test_commit*) hold the
-rest."""
+verdict of the commit is the last collective (torch_dist's results travel with the
+commit records: the coordinator writes ``.metadata`` just before it commits). No rank
+skips a collective that another enters (every rank sends, whether it failed or not), so
+none is left waiting; the failure tests (test_failure_agreement, test_bounded_failure,
+test_commit*) hold the rest."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_a_save_shares_collectives_between_its_phases(
     """The gather of the tables (carrying the agreements on opening and preparing and
     the tensor digests), one broadcast of the verdict (checks, claim, rank 0's common
     state, digests), the strategy's own, the gather of the commit records (carrying the
-    agreement on the writes) and the broadcast of the commit's verdict."""
+    agreement on the writes, and torch_dist's item results) and the broadcast of the
+    commit's verdict."""
     outs = rank_pool.run(_count_save_collectives, str(tmp_path), backend)
     for rank, out in enumerate(outs):
         names = out["names"]
@@ -74,9 +76,10 @@ def test_a_save_shares_collectives_between_its_phases(
         assert not any("opening" in n for n in names), names
         assert not any("claiming" in n or "preprocessing" in n or "digest" in n for n in names)
         strategy_own = names[2:-2]
-        # torch_dist: plans gathered and scattered, results gathered, .metadata verdict;
+        # torch_dist: its plans gathered and scattered (its items' results travel with
+        # the commit records, .metadata is written by the coordinator before the commit);
         # zarr: an all-reduce (any flattened tensors?)
-        assert len(strategy_own) == (4 if backend == "torch_dist" else 1), names
+        assert len(strategy_own) == (2 if backend == "torch_dist" else 1), names
         assert out["step"] == 0
         differs = [w for w in out["warnings"] if "common state dict differs" in w]
         assert bool(differs) == (rank != 0), out["warnings"]
@@ -170,3 +173,50 @@ def test_a_destination_that_is_not_empty_fails_every_rank_as_a_conflict(
     from cloudckpt.checker import verify  # noqa: PLC0415
 
     assert verify(str(tmp_path / "ckpt")).ok
+
+
+def _torch_dist_fails(rank: int, world: int, root: str, where: str) -> dict[str, Any]:
+    """A torch_dist save where rank 1's data write fails (``where="data"``) or the
+    coordinator's ``.metadata`` (``"metadata"``): what each rank raised."""
+    from cloudckpt.errors import StorageError  # noqa: PLC0415
+    from cloudckpt.storage import CheckpointStorage  # noqa: PLC0415
+    from cloudckpt.strategies.torch import DeferredDcpFinish  # noqa: PLC0415
+    from tests.test_multirank import tp_state  # noqa: PLC0415
+
+    def no_space(*args: Any, **kwargs: Any) -> Any:
+        raise StorageError("No space left on device")
+
+    patched: list[tuple[Any, str, Any]] = []
+    if where == "data" and rank == 1:
+        patched.append((CheckpointStorage, "open_stream", CheckpointStorage.open_stream))
+    if where == "metadata" and rank == 0:
+        original = DeferredDcpFinish.finish_on_coordinator
+        patched.append((DeferredDcpFinish, "finish_on_coordinator", original))
+    for owner, name, _ in patched:
+        setattr(owner, name, no_space)
+    try:
+        cloudckpt.save(tp_state(rank, tp=2), os.path.join(root, "ckpt"))
+    except cloudckpt.CheckpointingException as exc:
+        return {"kinds": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+    return {"kinds": [], "message": "saved"}
+
+
+@pytest.mark.parametrize(("where", "failing"), [("data", 1), ("metadata", 0)])
+def test_a_torch_dist_write_or_metadata_failure_fails_every_rank_uncommitted(
+    rank_pool: Any, tmp_path: Path, where: str, failing: int
+) -> None:
+    """The agreement on the writes travels with the commit records, and the coordinator
+    writes ``.metadata`` only then: a rank's failed write, or the coordinator's failed
+    ``.metadata``, is raised on every rank (a StorageError there, so every rank's error
+    is one too), naming the rank, and nothing is committed."""
+    for out in rank_pool.run(_torch_dist_fails, str(tmp_path), where):
+        assert "StorageError" in out["kinds"], out
+        assert "saving checkpoint" in out["message"], out
+        assert f"rank {failing}: StorageError: No space left on device" in out["message"], out
+    assert os.path.exists(tmp_path / "ckpt" / CLAIM_FNAME)
+    assert not os.path.exists(tmp_path / "ckpt" / "manifest.json")
+    assert not os.path.exists(tmp_path / "ckpt" / "metadata.json")
+    assert not os.path.exists(tmp_path / "ckpt" / ".metadata")
