@@ -291,13 +291,17 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
     def tensor_entries(
         self, tensors: Iterable[ShardedTensor], config: CheckpointConfig | None = None
     ) -> list[TensorEntry]:
-        """Manifest entries (global shape, dtype; no chunking) of ``tensors``."""
-        entries = {
-            sh.key: TensorEntry(
-                sh.key, tuple(sh.global_shape), str(sh.dtype).removeprefix("torch."), None
-            )
-            for sh in tensors
-        }
+        """Manifest entries (global shape, dtype; no chunking) of ``tensors``: one per
+        key (a rank's shards of one tensor share them), each dtype named once."""
+        entries: dict[str, TensorEntry] = {}
+        names: dict[torch.dtype, str] = {}
+        for sh in tensors:
+            if sh.key in entries:
+                continue
+            name = names.get(sh.dtype)
+            if name is None:
+                name = names[sh.dtype] = str(sh.dtype).removeprefix("torch.")
+            entries[sh.key] = TensorEntry(sh.key, tuple(sh.global_shape), name, None)
         return list(entries.values())
 
     def save_to(
