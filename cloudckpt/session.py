@@ -326,8 +326,11 @@ class SaveSession:
         rank = dist.get_rank()
         sent = None
         if error is None:
-            payload = finish.payload if finish is not None else None
-            sent = (self._record(prepared, results, rank), payload)
+            try:  # a failure here too travels in the gather (no rank skips it)
+                payload = finish.payload if finish is not None else None
+                sent = (self._record(prepared, results, rank), payload)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                error = exc
         gathered = dist.gather_reported(error, sent, whats[0], COORDINATOR)
         manifest: Manifest | None = None
         verdict: tuple[int, list[Any]] | None = None
