@@ -11,6 +11,12 @@ on every rank, each phase between two barriers:
   async_blocking            until ``cloudckpt.save(..., async_sharded_save=True)``
                             returns (the request is then run, untimed).
 
+With ``--collectives``, it only counts and lists cloudckpt's collectives (each one a
+check-in round trip in the store, then the backend's own collective) of one save and
+one load on every rank, and prints rank 0's list::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_local.py --size 16MiB --collectives
+
 Each phase's wall time and CPU time (``time.process_time``: every thread of the rank)
 come from ``--rounds`` unprofiled rounds (the best of each: the machine may be
 shared); one more round runs under cProfile, one file per
@@ -143,6 +149,42 @@ def profile_rank(
     return figures
 
 
+def count_collectives(rank: int, world_size: int, size: int, run: str) -> dict[str, list[str]]:
+    """The names of cloudckpt's collectives (check-ins) of one save and one load (after
+    a warm-up), on this rank."""
+    from cloudckpt import dist_guard  # noqa: PLC0415
+
+    spec = plan_workload(size, world_size)
+    state = build_state(spec, rank)
+    _warm_up(rank, world_size, run)
+    ckpt = _broadcast(f"{run}/ckpt-{uuid.uuid4().hex[:6]}" if rank == 0 else "")
+    names: list[str] = []
+    original = dist_guard.check_in
+
+    def counting(what: str, group: Any = None) -> None:
+        names.append(what)
+        original(what, group)
+
+    dist_guard.check_in = counting  # type: ignore[assignment]
+    try:
+        cloudckpt.save(state, ckpt)
+        saved = list(names)
+        names.clear()
+        cloudckpt.load(build_state(spec, rank, empty=True), ckpt)
+    finally:
+        dist_guard.check_in = original  # type: ignore[assignment]
+    _remove(ckpt, rank)
+    return {"save": saved, "load": list(names)}
+
+
+def _print_collectives(counted: list[dict[str, list[str]]]) -> None:
+    for op in ("save", "load"):
+        counts = [len(c[op]) for c in counted]
+        print(f"{op}: {counts[0]} collectives (per rank: {counts})")
+        for name in counted[0][op]:
+            print(f"  {name}")
+
+
 def _top(path: Path, top: int) -> str:
     """The cloudckpt functions with most cumulative time, then the top by own time."""
     text = io.StringIO()
@@ -164,7 +206,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--rounds", type=int, default=3, help="unprofiled rounds (best kept)")
     parser.add_argument("--phases", default="save,load,async_blocking")
+    parser.add_argument(
+        "--collectives", action="store_true", help="only count a save's and a load's collectives"
+    )
     args = parser.parse_args(argv)
+    if args.collectives:
+        base = Path(tempfile.mkdtemp(prefix="cloudckpt-profile-run-"))
+        try:
+            counted = run_on_ranks(
+                count_collectives, args.world_size, (args.size, str(base)), timeout_s=600
+            )
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        _print_collectives(counted)
+        return
     out = Path(args.out or tempfile.mkdtemp(prefix="cloudckpt-profile-"))
     out.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="cloudckpt-profile-run-"))

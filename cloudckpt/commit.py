@@ -356,10 +356,26 @@ def commit(
         gathered = dist.gather_object(record, COORDINATOR)
         with dist.agree(f"committing checkpoint {storage.uri!r}"):
             if gathered is not None:  # the coordinator
-                _check_claim(storage, claimed)
-                manifest = _write_commit(storage, build_manifest(gathered, backends), backends)
+                manifest = commit_gathered(storage, gathered, backends, claimed)
         del gathered  # before the collector runs again
     return manifest
+
+
+def commit_gathered(
+    storage: CheckpointStorage,
+    gathered: Sequence[CommitRecord],
+    backends: CheckpointingConfig,
+    claimed: WriteResult | None,
+) -> Manifest:
+    """The coordinator's part of a commit: check its claim, merge every rank's commit
+    record (by rank), write ``manifest.json`` (create-only), then ``metadata.json``.
+
+    Raises:
+        CommitConflictError: the claim was removed or replaced, or ``manifest.json``
+            exists already.
+    """
+    _check_claim(storage, claimed)
+    return _write_commit(storage, build_manifest(gathered, backends), backends)
 
 
 def tensor_piece(digests: Sequence[bytes], rank: int) -> tuple[int, int]:

@@ -48,8 +48,11 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "is_distributed",
+    "failure_report",
+    "gather_reported",
     "paused_gc",
     "raise_if_any_rank_failed",
+    "raise_reported",
     "run_on_coordinator",
     "scatter_object",
 ]
@@ -223,19 +226,56 @@ def _gather_reports(
 ) -> list[Any]:
     """All-gather ``(this rank's failure report, value)``; raise on every rank if any
     rank failed (see :func:`raise_if_any_rank_failed`), else return the values."""
-    report = _Report.of(error)
-    try:
+    report = Report.of(error)
+    with _own_failure_named(error, report, group):
         gathered = all_gather_object((report, value), group, what=f"agreeing on {what}")
+    raise_reported([rep for rep, _ in gathered], error, what, group)
+    return [v for _, v in gathered]
+
+
+@contextmanager
+def _own_failure_named(
+    error: BaseException | None, report: Report | None, group: Any = None
+) -> Iterator[None]:
+    """A :class:`CollectiveError` in the block also names this rank's own ``error``."""
+    try:
+        yield
     except CollectiveError as lost:
         if error is not None:  # this rank's own failure goes with the lost ranks
             summary = report.summary if report is not None else ""
             lost.args = (f"{lost}; rank {get_rank(group)} itself failed: {summary}",)
             lost.errors[get_rank(group)] = error
         raise lost from error
-    reports = [rep for rep, _ in gathered]
+
+
+def failure_report(error: BaseException | None) -> Report | None:
+    """``error`` as it travels to the other ranks in an agreement (None: no failure)."""
+    return Report.of(error)
+
+
+def gather_reported(
+    error: BaseException | None, value: Any, what: str, dst: int = 0, group: Any = None
+) -> list[tuple[Report | None, Any]] | None:
+    """Collective, the first half of an agreement carried by a gather: gather
+    ``(this rank's failure report, value)`` on rank ``dst`` (None elsewhere), which
+    decides and sends its verdict in a collective of its own (a broadcast); every rank
+    then calls :func:`raise_reported` with the reports of the verdict. Every rank
+    learns of any rank's failure as with :func:`agree`, in the collectives the phase
+    needed anyway."""
+    report = Report.of(error)
+    with _own_failure_named(error, report, group):
+        return gather_object((report, value), dst, group, what=f"agreeing on {what}")
+
+
+def raise_reported(
+    reports: list[Report | None], error: BaseException | None, what: str, group: Any = None
+) -> None:
+    """Raise on every rank if any rank failed ``what`` (``reports``: every rank's
+    failure report, by rank; ``error``: this rank's own failure), as
+    :func:`raise_if_any_rank_failed` does; return when none did."""
     failed = {r: rep for r, rep in enumerate(reports) if rep is not None}
     if not failed:
-        return [v for _, v in gathered]
+        return
     if error is not None and (get_world_size(group) == 1 or _already_agreed(reports)):
         raise error
     lines = "; ".join(f"rank {r}: {rep.summary}" for r, rep in sorted(failed.items()))
@@ -286,7 +326,7 @@ def run_on_coordinator(fn: Callable[[], _T], what: str, src: int = 0, group: Any
             pickle.dumps(outcome)  # fails here, not inside the broadcast the others wait in
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
-            outcome = (False, _Report.of(exc))
+            outcome = (False, Report.of(exc))
     ok, payload = broadcast_object(outcome, src=src, group=group, what=what)
     if ok:
         result: _T = payload
@@ -298,7 +338,7 @@ def run_on_coordinator(fn: Callable[[], _T], what: str, src: int = 0, group: Any
 
 
 @dataclass(frozen=True)
-class _Report:
+class Report:
     """One rank's failure as it travels to the others: a summary line, and the
     exception itself when it survives pickling (else None)."""
 
@@ -307,7 +347,7 @@ class _Report:
     agreed: bool  # already raised on every rank by an inner agreement
 
     @classmethod
-    def of(cls, error: BaseException | None) -> _Report | None:
+    def of(cls, error: BaseException | None) -> Report | None:
         if error is None:
             return None
         agreed = isinstance(error, DistributedCheckpointError)
@@ -324,7 +364,7 @@ def _portable(error: BaseException) -> BaseException | None:
     return error
 
 
-def _already_agreed(reports: list[_Report | None]) -> bool:
+def _already_agreed(reports: list[Report | None]) -> bool:
     """True when every rank failed with an error an inner agreement already raised on
     every rank (re-raise it instead of wrapping it again)."""
     return all(rep is not None and rep.agreed for rep in reports)

@@ -110,7 +110,7 @@ def save(
     """
     default_sharded = (config.backend, 1) if config is not None else DEFAULT_SHARDED_BACKEND
     with dist.bounded(config), dist.paused_gc():
-        session = SaveSession.open(
+        session = SaveSession.open_unagreed(  # its agreement travels with the save's first
             checkpoint_uri(checkpoint_dir),
             _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, default_sharded),
             _save_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND),

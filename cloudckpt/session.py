@@ -22,10 +22,10 @@ import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cloudckpt import dist
-from cloudckpt.commit import commit, require_empty, write_claim
+from cloudckpt.commit import commit, commit_gathered, require_empty, tensor_piece, write_claim
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dict_utils import (
@@ -39,6 +39,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.keys import KeyLayout
 from cloudckpt.manifest import (
+    CommitRecord,
     Manifest,
     TensorEntry,
     common_key_paths,
@@ -236,6 +237,38 @@ class SaveSession:
             config,
         )
 
+    @classmethod
+    def open_unagreed(
+        cls,
+        uri: str,
+        sharded_strategy: SaveShardedStrategy,
+        common_strategy: SaveCommonStrategy,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        config: CheckpointConfig | None = None,
+    ) -> SaveSession | UnopenedSave:
+        """:meth:`open` without its agreement: a failure to open (on the coordinator:
+        a destination that is not empty) is this rank's, and travels with the gather
+        of every rank's keys in :meth:`save` or :meth:`save_async` (an
+        :class:`UnopenedSave` takes part in it, then raises), which raises it on every
+        rank before anything is written. Saves the collective that the agreement costs."""
+        sharded = bind_sharded_saver(sharded_strategy, uri)
+        common = bind_common_saver(common_strategy, uri)
+        try:
+            storage = open_storage(uri, sharded_strategy, storage_options, config)
+            if dist.get_rank() == COORDINATOR:
+                require_empty(storage)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it in the save
+            return UnopenedSave(uri, sharded, common, exc)
+        backends = CheckpointingConfig(
+            sharded_strategy.backend,
+            sharded_strategy.version,
+            common_strategy.backend,
+            common_strategy.version,
+        )
+        with_objects = sharded_strategy.can_handle_sharded_objects
+        return cls(uri, storage, sharded, common, backends, with_objects, config)
+
     def save(
         self,
         sharded_state_dict: ShardedStateDict,
@@ -246,23 +279,96 @@ class SaveSession:
         on the coordinator."""
         started = time.perf_counter()
         shown = self.storage.uri
-        parts, common_bytes, claimed = self._prepare(
-            sharded_state_dict, validate, preprocess_common
-        )
+        prepared = self._prepare(sharded_state_dict, validate, preprocess_common)
+        claimed = prepared.claimed
         results: list[WriteResult] = [claimed] if claimed is not None else []
-        entries: list[TensorEntry] = []
-
-        def write() -> bytes:  # this rank's objects; its tensors' digest for the commit
+        error: BaseException | None = None
+        finish: DeferredFinish | None = None
+        try:
             with logged_failure("save", shown):
-                results.extend(self._write(parts, common_bytes))
-                entries.extend(self._tensor_entries(parts))
-            return tensors_digest(tensors_text(entries))
-
-        # one collective: every rank learns of any rank's failure, and gets the digests
-        digests = dist.all_gather_agreed(f"saving checkpoint {shown!r}", write)
-        manifest = self._commit(parts, results, claimed, entries, digests)
+                written, finish = self._write_deferring(prepared.parts, prepared.common_bytes)
+                results.extend(written)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it in the commit
+            error = exc
+        manifest = self._commit_agreed(prepared, results, error, finish)
         log_rate("saved", shown, sum(r.size for r in results), len(results), started)
         return manifest
+
+    def _write_deferring(
+        self, parts: StateParts, common_bytes: bytes | None
+    ) -> tuple[list[WriteResult], DeferredFinish | None]:
+        """:meth:`_write`, with the sharded strategy's last collective step (torch_dist:
+        ``.metadata``) deferred to the commit where the strategy offers it."""
+        deferring = getattr(self.sharded, "save_deferring_finish", None)
+        if deferring is None or not getattr(self.sharded, "finish_deferrable", False):
+            return self._write(parts, common_bytes), None
+        _, tensors, _, sharded = parts
+        state = sharded if self.objects_with_tensors else tensors
+        results, finish = deferring(self.storage, state, self.config)
+        return results + self._write_common(parts, common_bytes, self.storage), finish
+
+    def _commit_agreed(
+        self,
+        prepared: Prepared,
+        results: list[WriteResult],
+        error: BaseException | None,
+        finish: DeferredFinish | None = None,
+    ) -> Manifest | None:
+        """The agreement on the writes and the commit, in two collectives (where an
+        agreement, a gather of the commit records and an agreement on the commit made
+        three, and torch_dist's finish two more): every rank sends the coordinator its
+        commit record (and ``finish``'s payload), or its failure; the coordinator
+        finishes (``.metadata``) and commits only when no rank failed, and broadcasts
+        its verdict (a rank's failure to write, its own to finish or to commit), raised
+        on every rank."""
+        shown = self.storage.uri
+        whats = (f"saving checkpoint {shown!r}", f"committing checkpoint {shown!r}")
+        rank = dist.get_rank()
+        sent = None
+        if error is None:
+            try:  # a failure here too travels in the gather (no rank skips it)
+                payload = finish.payload if finish is not None else None
+                sent = (self._record(prepared, results, rank), payload)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                error = exc
+        gathered = dist.gather_reported(error, sent, whats[0], COORDINATOR)
+        manifest: Manifest | None = None
+        verdict: tuple[int, list[Any]] | None = None
+        own = error
+        if gathered is not None:  # the coordinator
+            reports = [report for report, _ in gathered]
+            if any(report is not None for report in reports):
+                verdict = (0, reports)
+            else:
+                records = [rec for _, (rec, _) in gathered]
+                phase = 0
+                try:
+                    if finish is not None:  # .metadata: a write of the coordinator's
+                        results.extend(finish.finish_on_coordinator([p for _, (_, p) in gathered]))
+                        records[rank] = self._record(prepared, results, rank)
+                    phase = 1
+                    claimed = prepared.claimed
+                    manifest = commit_gathered(self.storage, records, self.backends, claimed)
+                except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                    own = exc
+                    failed = [dist.failure_report(exc)] + [None] * (len(reports) - 1)
+                    verdict = (phase, failed)
+                del records
+            del gathered  # before the collector runs again
+        verdict = dist.broadcast_object(verdict, COORDINATOR, what=f"agreeing on {whats[1]}")
+        if verdict is not None:
+            phase, reports = verdict
+            dist.raise_reported(
+                reports, own if phase == 0 or rank == COORDINATOR else None, whats[phase]
+            )
+        return manifest
+
+    def _record(self, prepared: Prepared, results: list[WriteResult], rank: int) -> CommitRecord:
+        """This rank's commit record: its piece of the tensor entries it shares with its
+        replicas (see :func:`~cloudckpt.commit.tensor_piece`)."""
+        common = common_key_paths(prepared.parts[2]) if rank == COORDINATOR else []
+        record = CommitRecord.of(results, prepared.entries, common)
+        return record.piece(*tensor_piece(prepared.digests, rank))
 
     def save_async(
         self,
@@ -280,16 +386,9 @@ class SaveSession:
         in the finalize function, before the commit."""
         started = time.perf_counter()
         shown = self.storage.uri
-        if not _writes_through_storage(self.sharded) or not isinstance(
-            self.common, StorageBackedMixin
-        ):
-            raise CheckpointingException(
-                f"Cannot apply async_save to non-async strategy {self.sharded}: it writes "
-                f"{shown!r} itself, so its writes cannot be staged (rank {dist.get_rank()})"
-            )
-        parts, common_bytes, claimed = self._prepare(
-            sharded_state_dict, validate, preprocess_common
-        )
+        _refuse_unstageable(self.sharded, self.common, shown)
+        prepared = self._prepare(sharded_state_dict, validate, preprocess_common)
+        parts, common_bytes, claimed = prepared.parts, prepared.common_bytes, prepared.claimed
         staging = StagingStorage.over(self.storage)
         results: list[WriteResult] = [claimed] if claimed is not None else []
         staged: StagedSave | None = None
@@ -310,7 +409,7 @@ class SaveSession:
         def finalize() -> None:
             if staged is not None:
                 results.extend(staged.finish())
-            self._commit(parts, results, claimed)
+            self._commit(parts, results, claimed, prepared.entries, prepared.digests)
             log_rate("saved", shown, sum(r.size for r in results), len(results), started)
 
         return AsyncRequest(upload, (), [finalize])
@@ -344,16 +443,19 @@ class SaveSession:
         sharded_state_dict: ShardedStateDict,
         validate: bool,
         preprocess_common: PreprocessCommon | None = None,
-    ) -> tuple[StateParts, bytes | None, WriteResult | None]:
+    ) -> Prepared:
         """Apply factories, split, serialize the common state (coordinator), then check
         every rank's keys and (``validate``) the sharding and common state, and claim the
-        URI, before anything is written. Returns the parts, the serialized common state
-        (None: the common strategy serializes it when writing) and the claim's write
-        result (the coordinator's; None elsewhere)."""
+        URI, before anything is written (see :func:`agree_before_claim`: this rank's
+        failure to prepare travels with its keys). Returns what the save needs next."""
         shown = self.storage.uri
         common_bytes = None
         compared: StateDict | None = None  # this rank's common state, as compared
-        with dist.agree(f"preparing checkpoint {shown!r}"):
+        payload: tuple[ShardTable, bytes] | None = None
+        error: BaseException | None = None
+        parts: StateParts | None = None
+        entries: list[TensorEntry] = []
+        try:
             apply_factories(sharded_state_dict)
             parts = split_state_dict(sharded_state_dict)
             shards = [
@@ -363,53 +465,43 @@ class SaveSession:
                 check_metadata(shards)
                 if dist.get_world_size() > 1:
                     compared = preprocess_common(parts[2]) if preprocess_common else parts[2]
-            table = ShardTable.of(shards)  # the shards' metadata, in columns
+            entries = self._tensor_entries(parts)  # the commit's, known before any write
+            # the shards' metadata in columns, and the digest of the tensor entries
+            payload = (ShardTable.of(shards), tensors_digest(tensors_text(entries)))
             if dist.get_rank() == COORDINATOR:
                 common_bytes = serialize_common(self.common, parts[2], shown)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it in the gather
+            error = exc
+        whats = (f"opening checkpoint {redact_uri(self.uri)!r}", f"preparing checkpoint {shown!r}")
         with dist.paused_gc():  # every rank's metadata, unpickled and checked
-            claimed, reference = self._check_every_rank(table, validate, compared)
+            claimed, reference, digests = agree_before_claim(
+                whats,
+                _PREPARING,
+                error,
+                payload,
+                lambda tables: self._check_every_rank(tables, validate, compared),
+            )
+        assert parts is not None  # else agree_before_claim raised
         if compared is not None and reference is not None:
             warn_if_common_differs(reference, compared, shown)
-        return parts, common_bytes, claimed
+        return Prepared(parts, common_bytes, claimed, entries, digests)
 
     def _check_every_rank(
-        self, table: ShardTable, validate: bool, compared: StateDict | None
-    ) -> tuple[WriteResult | None, Any]:
-        """Gather every rank's keys and sharding metadata (:class:`ShardTable`) on the
-        coordinator, check the keys (``validate``: and the sharding) there, claim the
-        URI if they pass, and raise its verdict on every rank (the same error
-        everywhere). Only the coordinator receives the tables: with an all-gather every
-        rank held every rank's (at 4,096 ranks x 2,000 tensors, 8 million shard records
-        in each process). The verdict's broadcast also carries the coordinator's common
-        state as compared (``compared``, pickled before the claim: a state that cannot
-        travel fails the checks, not the broadcast after the claim), which the other
-        ranks compare theirs with. Returns the claim's write result (coordinator) and
-        that common state (the other ranks)."""
-        gathered = dist.gather_object(table, dst=COORDINATOR, what="gathering every rank's keys")
-        failure: BaseException | None = None
-        claimed = None
-        reference: bytes | None = None
-        if gathered is not None:
-            try:
-                self._check_gathered(gathered, validate)
-                if compared is not None:
-                    reference = _pickled_reference(compared, self.storage.uri)
-                claimed = write_claim(self.storage)
-            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-                failure = exc
-                reference = None
-        verdict, reference = dist.broadcast_object(
-            (_travelling(failure), reference),
-            src=COORDINATOR,
-            what="the checks of every rank's keys and the claim",
-        )
-        if failure is not None:
-            raise failure
-        if verdict is not None:
-            raise verdict
-        if gathered is not None or reference is None:
-            return claimed, None
-        return claimed, pickle.loads(reference)  # the coordinator's, of this job
+        self, gathered: Sequence[ShardTable], validate: bool, compared: StateDict | None
+    ) -> tuple[WriteResult, bytes | None]:
+        """The coordinator's checks of every rank's keys and sharding metadata
+        (:class:`ShardTable`; ``validate``: and the sharding), then the claim of the URI
+        if they pass. Only the coordinator receives the tables: with an all-gather
+        every rank held every rank's (at 4,096 ranks x 2,000 tensors, 8 million shard
+        records in each process). Returns the claim's write result and the
+        coordinator's common state as compared (``compared``), pickled before the
+        claim (a state that cannot travel fails the checks, not the broadcast after the
+        claim), which the other ranks compare theirs with."""
+        self._check_gathered(gathered, validate)
+        reference = None
+        if compared is not None:
+            reference = _pickled_reference(compared, self.storage.uri)
+        return write_claim(self.storage), reference
 
     def _check_gathered(self, gathered: Sequence[ShardTable], validate: bool) -> None:
         """The coordinator's checks of every rank's keys (and sharding)."""
@@ -453,6 +545,146 @@ class SaveSession:
         if not self.objects_with_tensors:
             results += self.common.save_objects_to(storage, objects)
         return results
+
+
+class DeferredFinish(Protocol):
+    """A sharded strategy's last collective step, deferred to the commit (see
+    :meth:`SaveSession._commit_agreed`): :attr:`payload` travels to the coordinator
+    with the commit record; the coordinator's :meth:`finish_on_coordinator` writes
+    from every rank's (by rank) and returns its write results."""
+
+    payload: Any
+
+    def finish_on_coordinator(self, payloads: list[Any]) -> list[WriteResult]: ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A save prepared and agreed on (:meth:`SaveSession._prepare`).
+
+    Attributes:
+        parts: the state dict's parts (:func:`split_state_dict`).
+        common_bytes: the serialized common state (coordinator; None: the common
+            strategy serializes it when it writes).
+        claimed: the claim's write result (coordinator; None elsewhere).
+        entries: this rank's tensor entries for the manifest.
+        digests: every rank's digest of its tensor entries, by rank (replicas send
+            their entries to the commit once, a piece each).
+    """
+
+    parts: StateParts
+    common_bytes: bytes | None
+    claimed: WriteResult | None
+    entries: list[TensorEntry]
+    digests: list[bytes]
+
+
+_OPENING, _PREPARING = 0, 1
+"""The phases whose agreement travels with the gather of every rank's keys."""
+
+CoordinatorChecks = Callable[[Sequence[ShardTable]], tuple[WriteResult, bytes | None]]
+
+
+def agree_before_claim(
+    whats: tuple[str, str],
+    phase: int,
+    error: BaseException | None,
+    payload: tuple[ShardTable, bytes] | None,
+    checks: CoordinatorChecks | None,
+) -> tuple[WriteResult | None, Any, list[bytes]]:
+    """Collective, two collectives for what took four (an agreement on opening, one on
+    preparing, the gather of the keys and the verdict's broadcast): every rank sends
+    the coordinator its ``payload`` (its :class:`ShardTable` and tensor digest), or its
+    failure in ``phase`` (``_OPENING`` or ``_PREPARING``, named by ``whats``); the
+    coordinator runs ``checks`` (which claim the URI) only when no rank failed, and
+    broadcasts its verdict: the failures of the first phase that failed (raised on
+    every rank as :func:`cloudckpt.dist.agree` raises them), or the checks' error (the
+    same on every rank), or the coordinator's common state as compared and every
+    rank's digest. Returns the claim (coordinator), that common state unpickled (the
+    other ranks) and the digests."""
+    gathered = dist.gather_reported(error, (phase, payload), whats[phase], COORDINATOR)
+    verdict: tuple[int | None, Any, BaseException | None, bytes | None, list[bytes]] = (
+        None,
+        None,
+        None,
+        None,
+        [],
+    )
+    failure: BaseException | None = None
+    claimed = None
+    if gathered is not None:  # the coordinator
+        failed = [ph for report, (ph, _) in gathered if report is not None]
+        if failed:
+            first = min(failed)
+            reports = [rep if ph == first else None for rep, (ph, _) in gathered]
+            verdict = (first, reports, None, None, [])
+        else:
+            assert checks is not None  # a rank without checks failed to open
+            tables = [pl[0] for _, (_, pl) in gathered]
+            digests = [pl[1] for _, (_, pl) in gathered]
+            reference = None
+            try:
+                claimed, reference = checks(tables)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                failure, reference = exc, None
+            verdict = (None, None, _travelling(failure), reference, digests)
+        del gathered  # before the collector runs again
+    failed_phase, reports, checked, reference, digests = dist.broadcast_object(
+        verdict, src=COORDINATOR, what="the checks of every rank's keys and the claim"
+    )
+    if failed_phase is not None:
+        dist.raise_reported(reports, error if failed_phase == phase else None, whats[failed_phase])
+    if failure is not None:
+        raise failure
+    if checked is not None:
+        raise checked
+    if dist.get_rank() == COORDINATOR or reference is None:
+        return claimed, None, digests
+    return claimed, pickle.loads(reference), digests  # the coordinator's, of this job
+
+
+@dataclass(frozen=True)
+class UnopenedSave:
+    """A save whose :meth:`SaveSession.open_unagreed` failed on this rank: it takes
+    part in the save's first collectives with its failure, which every rank then
+    raises (none writes anything)."""
+
+    uri: str
+    sharded: ShardedSaver
+    common: CommonSaver
+    error: BaseException
+
+    def save(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        validate: bool = True,
+        preprocess_common: PreprocessCommon | None = None,
+    ) -> Manifest | None:
+        """Raise this rank's failure to open on every rank (collective)."""
+        shown = redact_uri(self.uri)
+        whats = (f"opening checkpoint {shown!r}", f"preparing checkpoint {shown!r}")
+        agree_before_claim(whats, _OPENING, self.error, None, None)
+        raise self.error  # not reached: the agreement raised
+
+    def save_async(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        validate: bool = True,
+        preprocess_common: PreprocessCommon | None = None,
+    ) -> AsyncRequest:
+        """As :meth:`save`, after the checks every rank makes before it prepares."""
+        _refuse_unstageable(self.sharded, self.common, redact_uri(self.uri))
+        self.save(sharded_state_dict, validate, preprocess_common)
+        raise self.error  # not reached
+
+
+def _refuse_unstageable(sharded: ShardedSaver, common: CommonSaver, shown: str) -> None:
+    """Refuse an async save with strategies whose writes cannot be staged."""
+    if not _writes_through_storage(sharded) or not isinstance(common, StorageBackedMixin):
+        raise CheckpointingException(
+            f"Cannot apply async_save to non-async strategy {sharded}: it writes "
+            f"{shown!r} itself, so its writes cannot be staged (rank {dist.get_rank()})"
+        )
 
 
 def _travelling(error: BaseException | None) -> BaseException | None:

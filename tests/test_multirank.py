@@ -22,6 +22,7 @@ from cloudckpt import (
     StrictHandling,
 )
 from cloudckpt.errors import DistributedCheckpointError, ShardingValidationError
+from cloudckpt.manifest import CLAIM_FNAME
 
 # key -> (global shape, axis split over tensor-parallel ranks)
 TP_KEYS = {"w_col": ((8, 6), 0), "w_row": ((6, 8), 1), "bias": ((8,), 0)}
@@ -247,7 +248,10 @@ def test_failure_on_one_rank_surfaces_on_all_and_nothing_is_committed(rank_pool,
     for message in rank_pool.run(_rank_failure_scenario, uri):
         assert "rank 2" in message and "'bad'" in message and "complex64" in message
     assert not os.path.exists(os.path.join(uri, "metadata.json"))
-    with pytest.raises(cloudckpt.UncommittedCheckpointError, match=r"metadata\.json"):
+    # the manifest's tensor entries are made while preparing (the dtype fails there),
+    # so the failure is agreed on before the claim: nothing at all is written
+    assert not os.path.exists(os.path.join(uri, CLAIM_FNAME))
+    with pytest.raises(cloudckpt.CheckpointNotFoundError, match="does not exist"):
         cloudckpt.load(tp_state(0, tp=2, empty=True), uri, validate_access_integrity=False)
 
 

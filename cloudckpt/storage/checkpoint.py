@@ -192,14 +192,15 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         return self.transport.writes_in_place
 
     def open_stream(
-        self, relpath: str, progress: Progress | None = None
+        self, relpath: str, progress: Progress | None = None, size_hint: int | None = None
     ) -> ObjectStream | UploadStream:
         """Start writing the object ``relpath`` front to back, straight into the
         store, replacing any previous one (stores that :attr:`writes_in_place` or
         :attr:`streams_uploads` only): see :mod:`cloudckpt.storage.streams`. The caller
         ends it with ``finish()`` (returns its :class:`WriteResult`) or ``abort()``.
         ``progress`` (shared by the streams of one transfer) counts the bytes as they
-        reach the store.
+        reach the store. ``size_hint`` (the object's expected size, when known) sizes an
+        upload's parts so that it stays within S3's 10,000 parts.
 
         Raises:
             StorageError: the file cannot be created.
@@ -218,6 +219,7 @@ class CheckpointStorage(StorageReads, StorageAdmin):
                 self.part_size,
                 self.pool.max_in_flight,
                 progress,
+                size_hint=size_hint,
             )
         try:
             file = self.transport.open_sequential(path)

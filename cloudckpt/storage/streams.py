@@ -30,6 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from typing import IO, Any, Protocol
 
+from cloudckpt.config import S3_MAX_PART_SIZE, S3_MAX_PARTS
 from cloudckpt.storage.blocks import (
     BLOCK_SIZE,
     BlockChecksummer,
@@ -50,6 +51,31 @@ SMALL_WRITE = 64 * 1024
 :data:`GATHER_LIMIT` bytes; larger ones are written from the caller's memory."""
 
 GATHER_LIMIT = 1024 * 1024
+
+
+def stream_part_size(part_size: int, size_hint: int | None, max_parts: int, block_size: int) -> int:
+    """The part size of a streamed upload of about ``size_hint`` bytes (None: unknown):
+    ``part_size``, grown (in whole ``block_size`` blocks, so every part's blocks stay
+    whole) until ``size_hint`` fits in ``max_parts`` parts, S3's limit per upload."""
+    if size_hint is None or size_hint <= part_size * max_parts:
+        return part_size
+    per_part = -(-size_hint // max_parts)
+    return -(-per_part // block_size) * block_size
+
+
+def _parts_before_growth(part_size: int, size_hint: int | None, max_parts: int) -> int:
+    """How many parts a stream sends before its part size starts doubling: those its
+    ``size_hint`` needs (at most three quarters of ``max_parts``), half without one."""
+    if size_hint is None:
+        return max(1, max_parts // 2)
+    needed = -(-size_hint // part_size)
+    return max(1, max_parts // 2, min(needed, max_parts * 3 // 4))
+
+
+def doubled_part_size(part_size: int, block_size: int, largest: int = S3_MAX_PART_SIZE) -> int:
+    """``part_size`` doubled, at most ``largest`` (rounded down to whole blocks)."""
+    cap = max(block_size, largest - largest % block_size)
+    return max(part_size, min(2 * part_size, cap))
 
 
 class ObjectStream(io.RawIOBase):
@@ -200,6 +226,13 @@ class UploadStream(io.RawIOBase):
     one part is one PUT. At most ``max_queued`` parts wait or run at once: pieces that
     reference the caller's memory cost nothing, gathered ones at most a part each.
     Errors name the object (and part); :meth:`abort` aborts the upload.
+
+    An upload never needs more than ``max_parts`` parts (S3's 10,000): with the
+    object's ``size_hint``, the part size grows (whole blocks) so that it fits; past
+    the parts its hint needs (at most three quarters of the limit; half without a
+    hint), the part size doubles every ``max_parts // 20`` parts (up to S3's 5 GiB),
+    which fits hundreds of thousands of ``part_size`` parts: an object larger than
+    its hint still fits.
     """
 
     def __init__(
@@ -212,15 +245,21 @@ class UploadStream(io.RawIOBase):
         part_size: int,
         max_queued: int,
         progress: Progress | None = None,
+        *,
+        size_hint: int | None = None,
+        max_parts: int = S3_MAX_PARTS,
     ) -> None:
         super().__init__()
         self.relpath, self._uri, self._path = relpath, uri, path
         self._progress = progress
         self._sink = sink
+        self._block_size = block_size_for(part_size)
+        self._part_size = stream_part_size(part_size, size_hint, max_parts, self._block_size)
+        self._grow_at = _parts_before_growth(self._part_size, size_hint, max_parts)
+        self._grow_every = max(1, max_parts // 20)
+        self._next_start = 0  # where the next part starts in the object
         self._lease = executor
         self._executor = executor.__enter__()
-        self._part_size = part_size
-        self._block_size = block_size_for(part_size)
         self._max_queued = max(1, max_queued)
         self._pending: list[memoryview] = []  # the pieces of the part being filled
         self._pending_bytes = 0
@@ -296,7 +335,11 @@ class UploadStream(io.RawIOBase):
             self._upload_id = self._sink.begin_upload(self._path, self._uri)
         self._settle(self._max_queued - 1)
         number = len(self._futures) + 1
-        start = (number - 1) * self._part_size
+        start = self._next_start
+        self._next_start += sum(piece.nbytes for piece in pieces)
+        if number >= self._grow_at:  # the object outgrew its part budget: larger parts
+            self._part_size = doubled_part_size(self._part_size, self._block_size)
+            self._grow_at += self._grow_every
         self._futures.append(
             self._executor.submit(guarded, self._cancel, self._send, number, pieces, start)
         )
@@ -383,4 +426,12 @@ class UploadStream(io.RawIOBase):
         self.close()
 
 
-__all__ = ["GATHER_LIMIT", "SMALL_WRITE", "ObjectStream", "PartSink", "UploadStream"]
+__all__ = [
+    "GATHER_LIMIT",
+    "SMALL_WRITE",
+    "ObjectStream",
+    "PartSink",
+    "UploadStream",
+    "doubled_part_size",
+    "stream_part_size",
+]

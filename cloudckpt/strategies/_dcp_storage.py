@@ -181,7 +181,8 @@ class CloudStorageWriter(StorageWriter):
         progress = Progress("wrote", self.storage.uri, total, len(items))
 
         def open_object(path: str, capacity: int) -> StreamedObject:
-            opened.append(StreamedObject(path, self.storage.open_stream(path, progress)))
+            stream = self.storage.open_stream(path, progress, size_hint=capacity)
+            opened.append(StreamedObject(path, stream))
             return opened[-1]
 
         try:

@@ -313,6 +313,25 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
         saver = bind_sharded_saver(self.base_strategy, storage.uri)
         return saver.save_to(storage, sharded_state_dict, config)
 
+    @property
+    def finish_deferrable(self) -> bool:
+        """Whether the wrapped strategy's last collective step can be deferred to the
+        commit (see :meth:`save_deferring_finish`)."""
+        return bool(getattr(self.base_strategy, "finish_deferrable", False))
+
+    def save_deferring_finish(
+        self,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None = None,
+    ) -> tuple[list[WriteResult], Any]:
+        """Distribute, then write this rank's share with the wrapped strategy's
+        ``save_deferring_finish`` (torch_dist: ``.metadata`` written at the commit)."""
+        self.apply_saving_parallelization(sharded_state_dict)
+        deferring = self.base_strategy.save_deferring_finish  # type: ignore[attr-defined]
+        results, finish = deferring(storage, sharded_state_dict, config)
+        return results, finish
+
     def stage_to(
         self,
         storage: CheckpointStorage,

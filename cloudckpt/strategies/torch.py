@@ -291,13 +291,17 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
     def tensor_entries(
         self, tensors: Iterable[ShardedTensor], config: CheckpointConfig | None = None
     ) -> list[TensorEntry]:
-        """Manifest entries (global shape, dtype; no chunking) of ``tensors``."""
-        entries = {
-            sh.key: TensorEntry(
-                sh.key, tuple(sh.global_shape), str(sh.dtype).removeprefix("torch."), None
-            )
-            for sh in tensors
-        }
+        """Manifest entries (global shape, dtype; no chunking) of ``tensors``: one per
+        key (a rank's shards of one tensor share them), each dtype named once."""
+        entries: dict[str, TensorEntry] = {}
+        names: dict[torch.dtype, str] = {}
+        for sh in tensors:
+            if sh.key in entries:
+                continue
+            name = names.get(sh.dtype)
+            if name is None:
+                name = names[sh.dtype] = str(sh.dtype).removeprefix("torch.")
+            entries[sh.key] = TensorEntry(sh.key, tuple(sh.global_shape), name, None)
         return list(entries.values())
 
     def save_to(
@@ -328,6 +332,51 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
                 f"saving the torch_dist part of checkpoint {storage.uri!r} failed: {exc}"
             ) from exc
         return writer.results
+
+    @property
+    def finish_deferrable(self) -> bool:
+        """Whether a session may call :meth:`save_deferring_finish` instead of
+        :meth:`save_to` (not when a subclass writes differently)."""
+        return type(self).save_to is TorchDistSaveShardedStrategy.save_to
+
+    def save_deferring_finish(
+        self,
+        storage: CheckpointStorage,
+        sharded_state_dict: ShardedStateDict,
+        config: CheckpointConfig | None = None,
+    ) -> tuple[list[WriteResult], DeferredDcpFinish]:
+        """:meth:`save_to` up to DCP's finish: plan (collective) and write this rank's
+        items (no collective); the returned finish carries their DCP write results to
+        the coordinator in the session's gather of the commit records, where
+        :meth:`DeferredDcpFinish.finish_on_coordinator` writes ``.metadata`` before the
+        commit (DCP's own gather of the results and broadcast of its verdict are not
+        needed: the session's agreement on the writes and the commit's verdict carry
+        them). Returns this rank's write results (``.metadata``'s comes from the finish)."""
+        state, extra = to_dcp_state_dict(sharded_state_dict)
+        writer = CloudStorageWriter(
+            storage,
+            self._object_size(config),
+            self._batch_bytes(config),
+            extra,
+            separation_hint=self.separation_hint,
+        )
+        planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        cache = self.plan_cache if self.use_cached_ckpt_structure else None
+        with warnings.catch_warnings(), quiet_dcp_debug():
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+            try:
+                planned = plan_save(lambda: state, writer, planner, plan_cache=cache)
+            except CheckpointException as exc:  # a BaseException: made a CheckpointingException
+                raise save_failure(exc, storage.uri) from exc
+            try:
+                items = planned.write()
+            except CheckpointingException:
+                raise
+            except Exception as exc:
+                raise CheckpointingException(
+                    f"saving the torch_dist part of checkpoint {storage.uri!r} failed: {exc}"
+                ) from exc
+        return list(writer.results), DeferredDcpFinish(planned, writer, items)
 
     def stage_to(
         self,
@@ -400,6 +449,28 @@ def host_copy(
     if lent is not None:
         lent.extend(copies)
     return {str(i): entry for i, entry in enumerate(entries)}
+
+
+class DeferredDcpFinish:
+    """The finish of a torch_dist save whose items are written (see
+    :meth:`TorchDistSaveShardedStrategy.save_deferring_finish`): :attr:`payload`
+    (this rank's DCP write results) travels to the coordinator, which writes
+    ``.metadata`` from every rank's."""
+
+    def __init__(self, planned: PlannedSave, writer: CloudStorageWriter, items: list[Any]) -> None:
+        self._planned = planned
+        self._writer = writer
+        self.payload = items
+
+    def finish_on_coordinator(self, payloads: list[Any]) -> list[WriteResult]:
+        """Write ``.metadata`` from every rank's :attr:`payload` (by rank; the
+        coordinator only); its write result."""
+        assert self._planned.metadata is not None, "the coordinator planned no metadata"
+        written = len(self._writer.results)
+        with warnings.catch_warnings(), quiet_dcp_debug():
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+            self._writer.finish(metadata=self._planned.metadata, results=payloads)
+        return list(self._writer.results[written:])
 
 
 class StagedDcpSave:
