@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import json
@@ -86,7 +87,8 @@ from cloudckpt.session import regular_grid_for
 from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
-from cloudckpt.strategies._dcp_dist import create_global_plan
+from cloudckpt.strategies._dcp_columns import ItemResultColumns
+from cloudckpt.strategies._dcp_dist import column_keys, create_global_plan
 from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
 from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
@@ -467,6 +469,9 @@ def _torch_dist_steps(
         )
         central = _timed(row, "plan", lambda: writer.prepare_global_plan(planned))
         updates = _timed(row, "plan", lambda: global_plan_updates(coordinator, planned, central))
+        keys = _timed(row, "plan", lambda: column_keys(coordinator, writer, planned, updates))
+        if keys is not None:
+            updates = [dataclasses.replace(u, columns=True) for u in updates]
         updates = _scatter(row, "plan", "dcp_plans", updates)
         # every rank expands its own update at once: the coordinator's is timed
         plans = [
@@ -477,14 +482,26 @@ def _torch_dist_steps(
             ),
         ]
     item_results = [dcp_item_results(p) for p in plans]
+    paths = [sorted({i.storage_data.relative_path for i in r}) for r in item_results]
+    if keys is not None:  # the ranks send their results in columns (PlannedSave.write)
+        sent: list[Any] = [
+            ItemResultColumns.of(p.items, r) for p, r in zip(plans, item_results, strict=True)
+        ]
+    else:
+        sent = item_results
+    item_results.clear()
     with _paused(pause_gc):  # save_state_dict's gather and finish
-        item_results = _exchange(row, "plan", "dcp_results", item_results)
-        _timed(row, "plan", lambda: writer.finish(metadata, item_results))
-    row.artifacts["dcp_metadata"] = writer.metadata
+        gathered_results = _exchange(row, "plan", "dcp_results", sent)
+        sent.clear()
+        if keys is not None:
+            _timed(row, "plan", lambda: writer.finish_columns(metadata, keys, gathered_results))
+        else:
+            _timed(row, "plan", lambda: writer.finish(metadata, gathered_results))
+    row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
     records = []
     for rank in range(world.size):
         tensors = [s for s in shards_of(rank) if isinstance(s, ShardedTensor)]
-        results = [r for r in {i.storage_data.relative_path for i in item_results[rank]}]
+        results = paths[rank]
         written = [_result(path, 1 << 20) for path in sorted(results)]
         if rank == 0:
             written.append(_result(".metadata", writer.results[-1].size))

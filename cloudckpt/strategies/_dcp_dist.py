@@ -25,6 +25,7 @@ with a stale plan.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
+from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanKeys
 from cloudckpt.strategies._dcp_plan import (
     GlobalPlanUpdate,
     LinearGlobalPlanMixin,
@@ -95,6 +97,8 @@ class _CachedPlans:
     central: SavePlan
     metadata: Metadata | None
     extra: dict[str, Any] | None
+    columns: bool = False  # this rank sends its write results in columns
+    keys: list[PlanKeys] | None = None  # the coordinator's: every rank's item keys
 
 
 class SavePlanCache:
@@ -135,10 +139,12 @@ class SavePlanCache:
         central: SavePlan,
         metadata: Metadata | None,
         extra: dict[str, Any] | None,
+        columns: bool = False,
+        keys: list[PlanKeys] | None = None,
     ) -> None:
         """Keep one save's plans for the next."""
         where = (wrapper.get_rank(), wrapper.get_world_size())
-        self._plans = _CachedPlans(where, local, central, metadata, extra)
+        self._plans = _CachedPlans(where, local, central, metadata, extra, columns, keys)
 
 
 @dataclass
@@ -153,15 +159,25 @@ class PlannedSave:
     planner: SavePlanner
     plan: SavePlan
     metadata: Metadata | None
+    columns: bool = False
+    """This rank sends its write results in columns (the coordinator knows the keys)."""
+    keys: list[PlanKeys] | None = None
+    """The coordinator's: every rank's item keys, for results sent in columns."""
 
-    def write(self) -> list[Any]:
-        """Serialize and upload this rank's items; their DCP write results."""
+    def write(self) -> Any:
+        """Serialize and upload this rank's items; their DCP write results (in columns,
+        :class:`~cloudckpt.strategies._dcp_columns.ItemResultColumns`, where the
+        coordinator asked for them and they say the results exactly)."""
         pending = self.writer.write_data(self.plan, self.planner)
         pending.wait()
         results: list[Any] = pending.value()
+        if self.columns:
+            columns = ItemResultColumns.of(self.plan.items, results)
+            if columns is not None:
+                return columns
         return results
 
-    def finish(self, write: Callable[[], list[Any]] | None = None) -> Metadata:
+    def finish(self, write: Callable[[], Any] | None = None) -> Metadata:
         """Run ``write`` (default :meth:`write`; a function returning the results of an
         earlier write, or raising its error) on every rank, gather the results and let
         the coordinator write ``.metadata``. Collective.
@@ -174,7 +190,10 @@ class PlannedSave:
         def finish_on_coordinator(results: list[Any]) -> Metadata:
             assert self.metadata is not None, "the coordinator planned no metadata"
             with dist.paused_gc():  # every rank's item results, merged at once
-                self.writer.finish(metadata=self.metadata, results=results)
+                if self.keys is not None and isinstance(self.writer, CloudStorageWriter):
+                    self.writer.finish_columns(self.metadata, self.keys, results)
+                else:
+                    self.writer.finish(metadata=self.metadata, results=results)
             return self.metadata
 
         metadata: Metadata = self.wrapper.all_reduce(
@@ -206,6 +225,7 @@ def plan_save(
     global_metadata: Metadata | None = None
     local_plans: list[SavePlan] = []
     states: list[dict[str, Any]] = []
+    keys: list[PlanKeys] | None = None
 
     def local_step() -> SavePlan:
         if not states:
@@ -218,11 +238,18 @@ def plan_save(
         return local_plans[-1]
 
     def global_step(plans: list[SavePlan]) -> list[SavePlan | GlobalPlanUpdate]:
-        nonlocal global_metadata
+        nonlocal global_metadata, keys
         with dist.paused_gc():  # every rank's items, planned at once (see paused_gc)
             planned, global_metadata = create_global_plan(planner, writer, plans)
             central = writer.prepare_global_plan(planned)
-            return global_plan_updates(planner, planned, central)
+            updates = global_plan_updates(planner, planned, central)
+            keys = column_keys(planner, writer, planned, updates)
+            if keys is None:
+                return updates
+            return [
+                dataclasses.replace(u, columns=True) if isinstance(u, GlobalPlanUpdate) else u
+                for u in updates
+            ]
 
     cached = _reusable_plans(plan_cache, local_step, wrapper)
     if cached is not None:
@@ -230,9 +257,11 @@ def plan_save(
         global_metadata = copy.copy(cached.metadata)  # the writer's finish sets its fields
         if cached.extra is not None:
             writer.mcore_data = dict(cached.extra)  # type: ignore[attr-defined]
+        columns, keys = cached.columns, cached.keys
     else:
         update = wrapper.reduce_scatter("plan", local_step, global_step)
         central = apply_global_plan_update(local_plans[-1], update)
+        columns = isinstance(update, GlobalPlanUpdate) and update.columns
         if plan_cache is not None:
             extra = getattr(writer, "mcore_data", None) if wrapper.is_coordinator else None
             plan_cache.store(
@@ -241,8 +270,11 @@ def plan_save(
                 central,
                 copy.copy(global_metadata),
                 dict(extra) if extra is not None else None,
+                columns,
+                keys,
             )
-    return PlannedSave(wrapper, writer, planner, planner.finish_plan(central), global_metadata)
+    final = planner.finish_plan(central)
+    return PlannedSave(wrapper, writer, planner, final, global_metadata, columns, keys)
 
 
 def save_state_dict(
@@ -284,6 +316,37 @@ def keeps_plan_items(writer: StorageWriter) -> bool:
     return isinstance(writer, CloudStorageWriter) and step is CloudStorageWriter.prepare_global_plan
 
 
+def writes_columns(writer: StorageWriter) -> bool:
+    """Whether ``writer`` is cloudckpt's own writer, whose steps the columns of
+    :mod:`~cloudckpt.strategies._dcp_columns` say exactly: not a subclass that
+    overrides how it plans, writes or finishes."""
+    cls = type(writer)
+    return (
+        keeps_plan_items(writer)
+        and cls.write_data is CloudStorageWriter.write_data
+        and cls.finish is CloudStorageWriter.finish
+        and cls.prepare_local_plan is CloudStorageWriter.prepare_local_plan
+    )
+
+
+def column_keys(
+    planner: SavePlanner,
+    writer: StorageWriter,
+    planned: list[SavePlan],
+    updates: list[SavePlan | GlobalPlanUpdate],
+) -> list[PlanKeys] | None:
+    """Every rank's item keys where the ranks can send their write results in columns:
+    cloudckpt's linear step planned (every item's key and index hint known), every rank
+    gets a :class:`GlobalPlanUpdate` and the writer is cloudckpt's own
+    (:func:`writes_columns`); None otherwise (DCP's object path)."""
+    hints = getattr(planner, "index_hints", None)
+    if hints is None or len(hints) != len(planned) or not writes_columns(writer):
+        return None
+    if not all(isinstance(u, GlobalPlanUpdate) for u in updates):
+        return None
+    return [PlanKeys.of(plan, h) for plan, h in zip(planned, hints, strict=True)]
+
+
 def _reusable_plans(
     cache: SavePlanCache | None, local_step: Any, wrapper: GuardedDistWrapper
 ) -> _CachedPlans | None:
@@ -302,10 +365,12 @@ def _reusable_plans(
 
 __all__ = [
     "GuardedDistWrapper",
+    "column_keys",
     "PlannedSave",
     "SavePlanCache",
     "create_global_plan",
     "keeps_plan_items",
     "plan_save",
     "save_state_dict",
+    "writes_columns",
 ]

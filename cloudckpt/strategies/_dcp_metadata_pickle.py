@@ -21,6 +21,7 @@ type, an offset other than ``torch.Size``) make it fall back to ``pickle.dumps``
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import itertools
@@ -39,6 +40,8 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
+
+from cloudckpt.strategies._dcp_columns import StorageColumns
 
 PROTOCOL = 4  # pickle.dumps's default protocol here: what the writer wrote before
 _INT32 = (-(1 << 31), (1 << 31) - 1)
@@ -59,6 +62,31 @@ def dumps_metadata(metadata: Metadata) -> bytes:
     columns = _Columns.of(storage)
     if columns is None:
         return pickle.dumps(metadata, protocol=PROTOCOL)
+    return _dump(metadata, storage, columns)
+
+
+def dumps_metadata_columns(metadata: Metadata, storage: StorageColumns) -> bytes:
+    """``metadata`` with the ``storage_data`` that ``storage`` describes, pickled as
+    :func:`dumps_metadata` pickles it, without building the dict's per-item objects
+    (``MetadataIndex``, ``_StorageInfo``): the records are written from the columns.
+    ``metadata`` itself is left as it was."""
+    columns = _Columns.of_columns(storage)
+    if columns is None or len(storage) < 2:
+        full = copy.copy(metadata)
+        full.storage_data = storage.storage_data()
+        return dumps_metadata(full)
+    placeholder: dict[Any, Any] = {}  # written from the columns; the pickler refers to it
+    kept = metadata.storage_data
+    metadata.storage_data = placeholder
+    try:
+        return _dump(metadata, placeholder, columns)
+    finally:
+        metadata.storage_data = kept
+
+
+def _dump(metadata: Metadata, storage: dict[Any, Any], columns: _Columns) -> bytes:
+    """``metadata`` pickled, its ``storage_data`` (``storage``) written from
+    ``columns`` as fixed-width records."""
     out = _Stream()
     out.write(pickle.PROTO + bytes([PROTOCOL]))
     sizes = _write_storage(out, storage, columns)
@@ -76,7 +104,7 @@ class _Columns:
     records)."""
 
     def __init__(
-        self, columns: dict[str, list[Any]], key_dicts: Sequence[Mapping[str, Any]]
+        self, columns: dict[str, list[Any]], key_dicts: Sequence[Mapping[str, Any]] | None
     ) -> None:
         self.fqn = columns["fqn"]
         self.index = columns["index"]
@@ -101,6 +129,29 @@ class _Columns:
         """Whether item ``i`` is plain."""
         return self.all_plain or self.plain[i]
 
+    def key_has_offset(self, i: int) -> bool:
+        """Whether item ``i``'s key has an offset in its instance dict (the
+        ``MetadataIndex`` constructor sets none for an offset of None)."""
+        if self.key_dicts is None:
+            return self.offset[i] is not None
+        return "offset" in self.key_dicts[i]
+
+    @classmethod
+    def of_columns(cls, storage: StorageColumns) -> _Columns | None:
+        """The columns of ``storage`` (keys as the ``MetadataIndex`` constructor makes
+        them), or None where an item has another shape."""
+        columns: dict[str, list[Any]] = {
+            "fqn": storage.fqn,
+            "index": storage.index,
+            "offset": storage.offset,
+            "relative_path": storage.path,
+            "start": storage.start,
+            "length": storage.length,
+        }
+        if len(set(map(len, columns.values()))) != 1:
+            return None
+        return cls(columns, None) if _plain_types(columns) else None
+
     @classmethod
     def of(cls, storage: dict[Any, Any]) -> _Columns | None:
         """The columns of ``storage``, or None where an item has another shape."""
@@ -123,15 +174,19 @@ class _Columns:
             "start": list(map(operator.itemgetter("offset"), info_dicts)),
             "length": list(map(operator.itemgetter("length"), info_dicts)),
         }
-        if set(map(type, columns["fqn"])) | set(map(type, columns["relative_path"])) != {str}:
-            return None
-        if set(map(type, columns["start"])) | set(map(type, columns["length"])) != {int}:
-            return None
-        if not set(map(type, columns["offset"])) <= {torch.Size, type(None)}:
-            return None
-        if not set(map(type, columns["index"])) <= {int, type(None)}:
-            return None
-        return cls(columns, key_dicts)
+        return cls(columns, key_dicts) if _plain_types(columns) else None
+
+
+def _plain_types(columns: dict[str, list[Any]]) -> bool:
+    """Whether the columns hold the types the records write (str keys and paths, int
+    offsets and lengths, ``torch.Size`` or None offsets, int or None indices)."""
+    if set(map(type, columns["fqn"])) | set(map(type, columns["relative_path"])) != {str}:
+        return False
+    if set(map(type, columns["start"])) | set(map(type, columns["length"])) != {int}:
+        return False
+    if not set(map(type, columns["offset"])) <= {torch.Size, type(None)}:
+        return False
+    return set(map(type, columns["index"])) <= {int, type(None)}
 
 
 class _Stream:
@@ -362,9 +417,7 @@ def _record(
         out.get(MetadataIndex) + new,
         out.get(names["fqn"]) + _get(fqns[cols.fqn[i]]),
         out.get(names["index"]) + (pickle.NONE if index is None else _int(index)),
-        b""
-        if "offset" not in cols.key_dicts[i]
-        else out.get(names["offset"]) + _offset(offset, sizes),
+        b"" if not cols.key_has_offset(i) else out.get(names["offset"]) + _offset(offset, sizes),
         end,
     )
     value = (
@@ -377,4 +430,4 @@ def _record(
     return b"".join(key) + b"".join(value)
 
 
-__all__ = ["dumps_metadata"]
+__all__ = ["dumps_metadata", "dumps_metadata_columns"]

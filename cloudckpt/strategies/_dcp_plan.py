@@ -326,12 +326,20 @@ class GlobalPlanUpdate:
 
     Attributes:
         hints: per item of the local plan, its index hint; -1 keeps the item as it is.
+        columns: the coordinator knows every item's key from the plans: the rank sends
+            its write results in columns (:mod:`~cloudckpt.strategies._dcp_columns`).
     """
 
     hints: array.array[int]
     storage_data: Any
     planner_data: Any
     usable: bool
+    columns: bool = False
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its fields' values (no field names: sent to every rank)."""
+        fields = (self.hints, self.storage_data, self.planner_data, self.usable)
+        return type(self), (*fields, self.columns) if self.columns else fields
 
 
 def global_plan_updates(

@@ -1,0 +1,252 @@
+"""A DCP save's item keys and write results in columns, for cloudckpt's own writer.
+
+DCP's finish gathers every rank's write results as ``WriteResult`` objects (an index,
+a size and a storage info per item: several objects to pickle, send and unpickle per
+item) and the writer builds ``Metadata.storage_data`` from them (a ``MetadataIndex``
+and a ``_StorageInfo`` per item). Where the coordinator's planning was cloudckpt's
+linear step (it knows every item's key, offset and index hint from the plans) and the
+writer is cloudckpt's own, a rank sends :class:`ItemResultColumns` instead: per item of
+its plan, in plan order, an id into its object paths, the item's offset and length in
+its object and where its tensor elements lie (the record); the coordinator joins them
+with the items' keys (:class:`PlanKeys`) into :class:`StorageColumns`, from which
+:func:`~cloudckpt.strategies._dcp_metadata_pickle.dumps_metadata_columns` writes
+``.metadata`` without building the per-item objects. The pickle unpickles to the
+``Metadata`` DCP's own step writes.
+
+Anything the columns cannot say exactly (a result that is not one of the plan's
+items, a storage info of another type or with stream transforms) makes
+:meth:`ItemResultColumns.of` return None: the rank sends its results as objects, and
+the coordinator takes the object path for every rank (:func:`as_write_results`).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
+
+from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
+
+#: a record table: per chunk offsets, (start, nbytes) of its elements within the item
+RecordTable = dict[tuple[int, ...], tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ItemResultColumns:
+    """One rank's write results in columns, in its plan's item order.
+
+    Attributes:
+        paths: the rank's object paths (relative to the checkpoint).
+        path_ids: per item, its object's position in ``paths``.
+        starts: per item, its offset in its object.
+        lengths: per item, its length in bytes.
+        record_starts: per item, where its tensor elements start within the item
+            (-1: no record).
+        record_bytes: per item, the bytes of its tensor elements (0 without a record).
+    """
+
+    paths: tuple[str, ...]
+    path_ids: array.array[int]
+    starts: array.array[int]
+    lengths: array.array[int]
+    record_starts: array.array[int]
+    record_bytes: array.array[int]
+
+    def __len__(self) -> int:
+        return len(self.path_ids)
+
+    @classmethod
+    def of(
+        cls, items: Sequence[WriteItem], results: Sequence[DcpWriteResult]
+    ) -> ItemResultColumns | None:
+        """``results`` (of ``items``, each result naming its item's own index object)
+        in the items' order; None where they cannot be said in columns exactly."""
+        if len(items) != len(results):
+            return None
+        position = {id(item.index): i for i, item in enumerate(items)}
+        if len(position) != len(items):
+            return None
+        n = len(items)
+        path_ids, starts, lengths = _zeros(n), _zeros(n), _zeros(n)
+        record_starts, record_bytes = _zeros(n, -1), _zeros(n)
+        paths: dict[str, int] = {}
+        seen = bytearray(n)
+        for result in results:
+            i = position.get(id(result.index), -1)
+            info = result.storage_data
+            if i < 0 or seen[i] or not _plain_fields(info, result):
+                return None
+            seen[i] = 1
+            path_ids[i] = paths.setdefault(info.relative_path, len(paths))
+            starts[i] = info.offset
+            lengths[i] = info.length
+            record = getattr(info, "record", None)
+            if record is not None:
+                start, nbytes = int(record[0]), int(record[1])
+                if start < 0:
+                    return None
+                record_starts[i], record_bytes[i] = start, nbytes
+        return cls(tuple(paths), path_ids, starts, lengths, record_starts, record_bytes)
+
+
+def _zeros(n: int, value: int = 0) -> array.array[int]:
+    return array.array("q", [value]) * n
+
+
+def _plain_fields(info: Any, result: DcpWriteResult) -> bool:
+    """Whether ``info`` is a storage info the columns say exactly: DCP's or cloudckpt's
+    (with a record), a str path, int offset and length (the result's size), no stream
+    transforms."""
+    return (
+        type(info) in (_StorageInfo, RecordedStorageInfo)
+        and type(info.relative_path) is str
+        and type(info.offset) is int
+        and type(info.length) is int
+        and info.transform_descriptors is None
+        and result.size_in_bytes == info.length
+    )
+
+
+@dataclass(frozen=True)
+class PlanKeys:
+    """The keys of one rank's items as the coordinator's step left them: per item its
+    fqn, its offset (a ``torch.Size``, None for bytes items) and its index hint."""
+
+    fqns: list[str]
+    offsets: list[torch.Size | None]
+    hints: list[int | None]
+
+    def __len__(self) -> int:
+        return len(self.fqns)
+
+    @classmethod
+    def of(cls, plan: SavePlan, hints: Sequence[int]) -> PlanKeys:
+        """The keys of ``plan``'s items with ``hints`` set (-1: the item's own)."""
+        indices = [item.index for item in plan.items]
+        return cls(
+            [index.fqn for index in indices],
+            [index.offset for index in indices],
+            [index.index if hint < 0 else hint for index, hint in zip(indices, hints, strict=True)],
+        )
+
+    def index(self, i: int) -> MetadataIndex:
+        """Item ``i``'s ``MetadataIndex``."""
+        return MetadataIndex(self.fqns[i], self.offsets[i], self.hints[i])
+
+
+@dataclass
+class StorageColumns:
+    """``Metadata.storage_data`` in columns, every rank's items one after another:
+    each item's key (fqn, offset, index hint) and storage info (path, offset, length).
+    The pickle writer (:func:`~cloudckpt.strategies._dcp_metadata_pickle.
+    dumps_metadata_columns`) reads these."""
+
+    fqn: list[str]
+    index: list[int | None]
+    offset: list[torch.Size | None]
+    path: list[str]
+    start: list[int]
+    length: list[int]
+
+    def __len__(self) -> int:
+        return len(self.fqn)
+
+    def storage_data(self) -> dict[MetadataIndex, _StorageInfo]:
+        """The ``storage_data`` dict these columns describe (objects: for a caller that
+        needs them, such as the writer's ``metadata`` without ``.metadata``)."""
+        return {
+            MetadataIndex(f, o, i): _StorageInfo(p, s, n)
+            for f, o, i, p, s, n in zip(
+                self.fqn, self.offset, self.index, self.path, self.start, self.length, strict=True
+            )
+        }
+
+
+def join_columns(
+    keys: Sequence[PlanKeys],
+    results: Sequence[ItemResultColumns],
+    shared_fqns: dict[str, str],
+    shared_sizes: dict[torch.Size, torch.Size],
+) -> tuple[StorageColumns, dict[str, RecordTable]] | None:
+    """Every rank's keys joined with its result columns (the same items, in the same
+    order), equal fqns and offsets made the objects of ``shared_fqns`` and
+    ``shared_sizes`` (so that the pickle refers to each once), and per fqn the record
+    table of its items; None where a rank's columns do not match its keys."""
+    if len(keys) != len(results) or any(
+        len(k) != len(r) for k, r in zip(keys, results, strict=True)
+    ):
+        return None
+    cols = StorageColumns([], [], [], [], [], [])
+    tables: dict[str, RecordTable] = {}
+    points: dict[torch.Size, tuple[int, ...]] = {}
+    for rank_keys, rank in zip(keys, results, strict=True):
+        fqns = [shared_fqns.get(f, f) for f in rank_keys.fqns]
+        offsets = [None if o is None else shared_sizes.get(o, o) for o in rank_keys.offsets]
+        cols.fqn += fqns
+        cols.offset += offsets
+        cols.index += rank_keys.hints
+        cols.path += map(rank.paths.__getitem__, rank.path_ids)
+        cols.start += rank.starts
+        cols.length += rank.lengths
+        _add_records(tables, points, fqns, offsets, rank)
+    return cols, tables
+
+
+def _add_records(
+    tables: dict[str, RecordTable],
+    points: dict[torch.Size, tuple[int, ...]],
+    fqns: list[str],
+    offsets: list[torch.Size | None],
+    rank: ItemResultColumns,
+) -> None:
+    """Add the records of one rank's items (those with a record and an offset) to the
+    per-fqn tables, as the writer's object path does."""
+    starts, nbytes = rank.record_starts, rank.record_bytes
+    for i in (i for i, start in enumerate(starts) if start >= 0):
+        offset = offsets[i]
+        if offset is None:
+            continue
+        table = tables.get(fqns[i])
+        if table is None:
+            table = tables[fqns[i]] = {}
+        point = points.get(offset)
+        if point is None:
+            point = points[offset] = tuple(offset)
+        table[point] = (starts[i], nbytes[i])
+
+
+def as_write_results(
+    keys: PlanKeys, results: ItemResultColumns | list[DcpWriteResult]
+) -> list[DcpWriteResult]:
+    """One rank's results as DCP's ``WriteResult`` objects (the writer's object path),
+    whether it sent columns or objects."""
+    if not isinstance(results, ItemResultColumns):
+        return results
+    out = []
+    for i in range(len(results)):
+        start, nbytes = results.record_starts[i], results.record_bytes[i]
+        info = RecordedStorageInfo(
+            results.paths[results.path_ids[i]],
+            results.starts[i],
+            results.lengths[i],
+            record=None if start < 0 else (start, nbytes),
+        )
+        out.append(DcpWriteResult(keys.index(i), results.lengths[i], info))
+    return out
+
+
+__all__ = [
+    "ItemResultColumns",
+    "PlanKeys",
+    "RecordTable",
+    "StorageColumns",
+    "as_write_results",
+    "join_columns",
+]
