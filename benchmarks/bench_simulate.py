@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import functools
 import gc
 import json
@@ -67,7 +66,7 @@ import os
 import pickle
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -87,9 +86,9 @@ from cloudckpt.session import regular_grid_for
 from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
-from cloudckpt.strategies._dcp_columns import ItemResultColumns
-from cloudckpt.strategies._dcp_dist import column_keys, create_global_plan
-from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
+from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanColumns
+from cloudckpt.strategies._dcp_dist import global_step_columns, plans_in_columns
+from cloudckpt.strategies._dcp_plan import apply_global_plan_update
 from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.strategies._zarr_format import ZARRAY, shard_chunk_indices
@@ -248,7 +247,7 @@ def _timed(row: Row, step: str, fn: Callable[[], _T]) -> _T:
     return out
 
 
-def _exchange(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
+def _exchange(row: Row, step: str, name: str, payloads: Iterable[Any]) -> list[Any]:
     """Pickle each rank's payload (its bytes are what it sends), unpickle it (timed, as
     a receiving rank of ``all_gather_object`` does)."""
     out = []
@@ -455,54 +454,45 @@ def _torch_dist_steps(
 ) -> list[Any]:
     strategy = TorchDistSaveShardedStrategy()
     storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
-    writers, planners, local_plans = [], [], []
-    for rank in range(world.size):
-        writer, planner, plan = dcp_local_step(rank, shards_of(rank), storage)
-        writers.append(writer)
-        planners.append(planner)
-        local_plans.append(plan)
-    coordinator, writer = planners[0], writers[0]
+    writer, coordinator, local = dcp_local_step(0, shards_of(0), storage)
+
+    def local_plan(rank: int) -> SavePlan:  # each rank's, built when it sends (memory)
+        return local if rank == 0 else dcp_local_step(rank, shards_of(rank), storage)[2]
+
+    def sent_plan(rank: int) -> Any:  # what plan_save's send_local_plan sends
+        plan = local_plan(rank)
+        return PlanColumns.of(plan) if plans_in_columns(coordinator, writer) else plan
+
     with _paused(pause_gc):  # plan_save's gather, global step and scatter
-        gathered = _exchange(row, "plan", "dcp_plan", local_plans)
-        planned, metadata = _timed(
-            row, "plan", lambda: create_global_plan(coordinator, writer, gathered)
-        )
-        central = _timed(row, "plan", lambda: writer.prepare_global_plan(planned))
-        updates = _timed(row, "plan", lambda: global_plan_updates(coordinator, planned, central))
-        keys = _timed(row, "plan", lambda: column_keys(coordinator, writer, planned, updates))
-        if keys is not None:
-            updates = [dataclasses.replace(u, columns=True) for u in updates]
-        updates = _scatter(row, "plan", "dcp_plans", updates)
+        gathered = _exchange(row, "plan", "dcp_plan", (sent_plan(r) for r in range(world.size)))
+        fast = _timed(row, "plan", lambda: global_step_columns(coordinator, writer, gathered))
+        if fast is None:
+            raise SystemExit("torch_dist: the coordinator's step on columns did not apply")
+        metadata, keys, scattered = fast
+        gathered.clear()
+        updates = _scatter(row, "plan", "dcp_plans", scattered)
         # every rank expands its own update at once: the coordinator's is timed
-        plans = [
-            _timed(row, "plan", lambda: apply_global_plan_update(local_plans[0], updates[0])),
-            *(
-                apply_global_plan_update(p, u)
-                for p, u in zip(local_plans[1:], updates[1:], strict=True)
-            ),
-        ]
-    item_results = [dcp_item_results(p) for p in plans]
-    paths = [sorted({i.storage_data.relative_path for i in r}) for r in item_results]
-    if keys is not None:  # the ranks send their results in columns (PlannedSave.write)
-        sent: list[Any] = [
-            ItemResultColumns.of(p.items, r) for p, r in zip(plans, item_results, strict=True)
-        ]
-    else:
-        sent = item_results
-    item_results.clear()
+        expand = functools.partial(apply_global_plan_update, local, updates[0])
+        _timed(row, "plan", expand)
+    paths: list[list[str]] = []
+
+    def sent_results(rank: int) -> Any:  # what PlannedSave.write returns
+        plan = apply_global_plan_update(local_plan(rank), updates[rank])
+        results = dcp_item_results(plan)
+        paths.append(sorted({i.storage_data.relative_path for i in results}))
+        return ItemResultColumns.of(plan.items, results) if updates[rank].columns else results
+
     with _paused(pause_gc):  # save_state_dict's gather and finish
-        gathered_results = _exchange(row, "plan", "dcp_results", sent)
-        sent.clear()
-        if keys is not None:
-            _timed(row, "plan", lambda: writer.finish_columns(metadata, keys, gathered_results))
-        else:
-            _timed(row, "plan", lambda: writer.finish(metadata, gathered_results))
+        results = _exchange(
+            row, "plan", "dcp_results", (sent_results(r) for r in range(world.size))
+        )
+        _timed(row, "plan", lambda: writer.finish_columns(metadata, keys, results))
+        results.clear()
     row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
     records = []
     for rank in range(world.size):
         tensors = [s for s in shards_of(rank) if isinstance(s, ShardedTensor)]
-        results = paths[rank]
-        written = [_result(path, 1 << 20) for path in sorted(results)]
+        written = [_result(path, 1 << 20) for path in paths[rank]]
         if rank == 0:
             written.append(_result(".metadata", writer.results[-1].size))
         records.append((written, strategy.tensor_entries(tensors), ["optimizer"]))

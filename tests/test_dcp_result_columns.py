@@ -199,7 +199,8 @@ def test_a_real_save_writes_columns_and_equals_the_object_path(
     monkeypatch.setattr(CloudStorageWriter, "finish_columns", spy)
     cloudckpt.save(_state(), str(tmp_path / "col"), sharded_strategy=("torch_dist", 1))
     assert calls == [1]
-    monkeypatch.setattr(_dcp_dist, "column_keys", lambda *a: None)  # the object path
+    monkeypatch.setattr(_dcp_dist, "global_step_columns", lambda *a: None)  # the object path
+    monkeypatch.setattr(_dcp_dist, "column_keys", lambda *a: None)
     cloudckpt.save(_state(), str(tmp_path / "obj"), sharded_strategy=("torch_dist", 1))
     assert calls == [1]
     col = read_metadata(open_checkpoint(str(tmp_path / "col")))

@@ -28,8 +28,17 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
@@ -242,8 +251,142 @@ def as_write_results(
     return out
 
 
+@dataclass(frozen=True)
+class PlanColumns:
+    """One rank's local ``SavePlan`` in columns, what it sends the coordinator instead
+    of the plan's ``WriteItem`` objects: per item its fqn and type; per tensor item ids
+    into the rank's distinct sizes (chunk offsets, chunk sizes, the tensor's size) and
+    distinct ``TensorProperties``; the bytes items whole (there are few). The plan's
+    own fields as they are. :meth:`to_plan` gives the plan back (equal items) where the
+    coordinator takes DCP's step.
+
+    Attributes:
+        fqns: per item, its key.
+        types: per item, its ``WriteItemType`` value.
+        sizes: the rank's distinct ``torch.Size`` values.
+        offset_ids, size_ids, extent_ids: per item, ids into ``sizes`` of its chunk's
+            offsets and sizes and its tensor's size (-1: a bytes item).
+        properties: the rank's distinct ``TensorProperties``.
+        property_ids: per item, an id into ``properties`` (-1: a bytes item).
+        byte_items: the bytes items, by position.
+    """
+
+    fqns: list[str]
+    types: bytes
+    sizes: tuple[torch.Size, ...]
+    offset_ids: array.array[int]
+    size_ids: array.array[int]
+    extent_ids: array.array[int]
+    properties: tuple[TensorProperties, ...]
+    property_ids: array.array[int]
+    byte_items: dict[int, WriteItem]
+    storage_data: Any
+    planner_data: Any
+    usable: bool
+
+    def __len__(self) -> int:
+        return len(self.fqns)
+
+    @classmethod
+    def of(cls, plan: SavePlan) -> PlanColumns | None:
+        """``plan`` in columns; None where an item is not one the columns say exactly
+        (another class, an index hint, an index naming another chunk)."""
+        if type(plan) is not SavePlan:
+            return None
+        n = len(plan.items)
+        sizes: dict[torch.Size, int] = {}
+        props: dict[tuple[Any, ...], int] = {}
+        props_of: list[TensorProperties] = []
+        ids = [_zeros(n, -1) for _ in range(4)]
+        fqns: list[str] = []
+        types = bytearray(n)
+        byte_items: dict[int, WriteItem] = {}
+        for i, item in enumerate(plan.items):
+            index = item.index
+            if type(item) is not WriteItem or type(index) is not MetadataIndex:
+                return None
+            if type(index.fqn) is not str or index.index is not None:
+                return None
+            fqns.append(index.fqn)
+            types[i] = item.type.value
+            if item.type == WriteItemType.BYTE_IO:
+                if item.tensor_data is not None or index.offset is not None:
+                    return None
+                byte_items[i] = item
+                continue
+            found = _tensor_ids(item, sizes, props, props_of)
+            if found is None:
+                return None
+            for column, value in zip(ids, found, strict=True):
+                column[i] = value
+        return cls(
+            fqns,
+            bytes(types),
+            tuple(sizes),
+            ids[0],
+            ids[1],
+            ids[2],
+            tuple(props_of),
+            ids[3],
+            byte_items,
+            plan.storage_data,
+            plan.planner_data,
+            plan.usable,
+        )
+
+    def to_plan(self) -> SavePlan:
+        """The plan these columns say (items equal to the rank's)."""
+        items = []
+        for i, fqn in enumerate(self.fqns):
+            byte_item = self.byte_items.get(i)
+            if byte_item is not None:
+                items.append(byte_item)
+                continue
+            offsets = self.sizes[self.offset_ids[i]]
+            chunk = ChunkStorageMetadata(offsets, self.sizes[self.size_ids[i]])
+            data = TensorWriteData(
+                chunk,
+                self.properties[self.property_ids[i]],
+                self.sizes[self.extent_ids[i]],
+            )
+            kind = WriteItemType(self.types[i])
+            items.append(WriteItem(MetadataIndex(fqn, offsets), kind, tensor_data=data))
+        return SavePlan(items, self.storage_data, self.planner_data, self.usable)
+
+
+def _tensor_ids(
+    item: WriteItem,
+    sizes: dict[torch.Size, int],
+    props: dict[tuple[Any, ...], int],
+    props_of: list[TensorProperties],
+) -> tuple[int, int, int, int] | None:
+    """A tensor item's ids into the rank's sizes (chunk offsets, chunk sizes, tensor
+    size) and properties; None where it is not plain."""
+    data = item.tensor_data
+    if type(data) is not TensorWriteData or item.bytes_io_data is not None:
+        return None
+    if item.type not in (WriteItemType.SHARD, WriteItemType.TENSOR):
+        return None
+    chunk, properties = data.chunk, data.properties
+    if type(chunk) is not ChunkStorageMetadata or type(properties) is not TensorProperties:
+        return None
+    values = (chunk.offsets, chunk.sizes, data.size)
+    if any(type(v) is not torch.Size for v in values) or item.index.offset != chunk.offsets:
+        return None
+    if list(vars(chunk)) != ["offsets", "sizes"]:
+        return None
+    key = tuple(vars(properties).items())
+    pid = props.get(key)
+    if pid is None:
+        pid = props[key] = len(props_of)
+        props_of.append(properties)
+    found = [sizes.setdefault(v, len(sizes)) for v in values]
+    return found[0], found[1], found[2], pid
+
+
 __all__ = [
     "ItemResultColumns",
+    "PlanColumns",
     "PlanKeys",
     "RecordTable",
     "StorageColumns",

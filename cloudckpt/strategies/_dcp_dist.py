@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
-from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanKeys
+from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanColumns, PlanKeys
 from cloudckpt.strategies._dcp_plan import (
     GlobalPlanUpdate,
     LinearGlobalPlanMixin,
@@ -237,9 +237,20 @@ def plan_save(
         local_plans.append(writer.prepare_local_plan(planner.create_local_plan()))
         return local_plans[-1]
 
-    def global_step(plans: list[SavePlan]) -> list[SavePlan | GlobalPlanUpdate]:
+    def send_local_plan() -> SavePlan | PlanColumns:
+        plan = local_step()
+        if plans_in_columns(planner, writer):
+            return PlanColumns.of(plan) or plan
+        return plan
+
+    def global_step(sent: list[SavePlan | PlanColumns]) -> list[SavePlan | GlobalPlanUpdate]:
         nonlocal global_metadata, keys
         with dist.paused_gc():  # every rank's items, planned at once (see paused_gc)
+            fast = global_step_columns(planner, writer, sent)
+            if fast is not None:
+                global_metadata, keys, scattered = fast
+                return list(scattered)
+            plans = [p.to_plan() if isinstance(p, PlanColumns) else p for p in sent]
             planned, global_metadata = create_global_plan(planner, writer, plans)
             central = writer.prepare_global_plan(planned)
             updates = global_plan_updates(planner, planned, central)
@@ -259,7 +270,7 @@ def plan_save(
             writer.mcore_data = dict(cached.extra)  # type: ignore[attr-defined]
         columns, keys = cached.columns, cached.keys
     else:
-        update = wrapper.reduce_scatter("plan", local_step, global_step)
+        update = wrapper.reduce_scatter("plan", send_local_plan, global_step)
         central = apply_global_plan_update(local_plans[-1], update)
         columns = isinstance(update, GlobalPlanUpdate) and update.columns
         if plan_cache is not None:
@@ -329,6 +340,47 @@ def writes_columns(writer: StorageWriter) -> bool:
     )
 
 
+def plans_in_columns(planner: SavePlanner, writer: StorageWriter) -> bool:
+    """Whether the ranks send their local plans in columns (:class:`~cloudckpt.
+    strategies._dcp_columns.PlanColumns`): the planner's coordinator step is
+    cloudckpt's linear one, not overridden (a custom planner, such as Megatron-Core's,
+    gets its own step on the plans as objects), and the writer is cloudckpt's own."""
+    if not isinstance(planner, LinearGlobalPlanMixin):
+        return False
+    cls = type(planner)
+    return (
+        cls.create_global_plan is LinearGlobalPlanMixin.create_global_plan
+        and cls.create_global_plan_unhinted is LinearGlobalPlanMixin.create_global_plan_unhinted
+        and cls._global_plan is LinearGlobalPlanMixin._global_plan
+        and not planner.flatten_state_dict
+        and not getattr(planner, "_enable_plan_caching", False)
+        and writes_columns(writer)
+    )
+
+
+def global_step_columns(
+    planner: SavePlanner, writer: StorageWriter, sent: list[SavePlan | PlanColumns]
+) -> tuple[Metadata, list[PlanKeys], list[GlobalPlanUpdate]] | None:
+    """The coordinator's step on plans sent in columns: the global metadata, every
+    rank's item keys and the updates to scatter (results asked in columns); None where
+    a rank sent its plan as objects or the fast path cannot prove the plans (the caller
+    then runs the step on the plans as objects)."""
+    columns = [p for p in sent if isinstance(p, PlanColumns)]
+    if len(columns) != len(sent) or not plans_in_columns(planner, writer):
+        return None
+    assert isinstance(planner, LinearGlobalPlanMixin)
+    fast = planner.create_global_plan_columns(columns)
+    if fast is None:
+        return None
+    stubs = [SavePlan([], c.storage_data, c.planner_data, c.usable) for c in columns]
+    central = writer.prepare_global_plan(stubs)  # cloudckpt's: only storage_data changes
+    updates = [
+        GlobalPlanUpdate(hints, plan.storage_data, plan.planner_data, plan.usable, columns=True)
+        for hints, plan in zip(fast.hints, central, strict=True)
+    ]
+    return fast.metadata, fast.keys, updates
+
+
 def column_keys(
     planner: SavePlanner,
     writer: StorageWriter,
@@ -366,6 +418,8 @@ def _reusable_plans(
 __all__ = [
     "GuardedDistWrapper",
     "column_keys",
+    "global_step_columns",
+    "plans_in_columns",
     "PlannedSave",
     "SavePlanCache",
     "create_global_plan",
