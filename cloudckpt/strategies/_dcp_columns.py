@@ -22,10 +22,12 @@ the coordinator takes the object path for every rank (:func:`as_write_results`).
 from __future__ import annotations
 
 import array
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -125,57 +127,114 @@ def _plain_fields(info: Any, result: DcpWriteResult) -> bool:
 
 @dataclass(frozen=True)
 class PlanKeys:
-    """The keys of one rank's items as the coordinator's step left them: per item its
-    fqn, its offset (a ``torch.Size``, None for bytes items) and its index hint."""
+    """The keys of one rank's items as the coordinator's step left them, as ids into
+    tables (which ranks may share): per item its fqn (an id into ``names``), its offset
+    (an id into ``sizes``; -1: None, a bytes item) and its index hint (-1: None)."""
 
-    fqns: list[str]
-    offsets: list[torch.Size | None]
-    hints: list[int | None]
+    names: Sequence[str]
+    sizes: Sequence[torch.Size]
+    key_ids: Any  # numpy int64 arrays, one value per item
+    offset_ids: Any
+    hints: Any
 
     def __len__(self) -> int:
-        return len(self.fqns)
+        return len(self.key_ids)
 
     @classmethod
-    def of(cls, plan: SavePlan, hints: Sequence[int]) -> PlanKeys:
-        """The keys of ``plan``'s items with ``hints`` set (-1: the item's own)."""
-        indices = [item.index for item in plan.items]
+    def of(cls, plan: SavePlan, hints: Sequence[int]) -> PlanKeys | None:
+        """The keys of ``plan``'s items with ``hints`` set (-1: the item's own, which
+        must be None); None where an item's key is not one the ids say."""
+        names: dict[str, int] = {}
+        sizes: dict[torch.Size, int] = {}
+        key_ids, offset_ids, out = [], [], []
+        for item, hint in zip(plan.items, hints, strict=True):
+            index = item.index
+            if type(index.fqn) is not str or (hint < 0 and index.index is not None):
+                return None
+            offset = index.offset
+            if offset is not None and type(offset) is not torch.Size:
+                return None
+            key_ids.append(names.setdefault(index.fqn, len(names)))
+            offset_ids.append(-1 if offset is None else sizes.setdefault(offset, len(sizes)))
+            out.append(hint)
         return cls(
-            [index.fqn for index in indices],
-            [index.offset for index in indices],
-            [index.index if hint < 0 else hint for index, hint in zip(indices, hints, strict=True)],
+            list(names),
+            list(sizes),
+            np.array(key_ids, dtype=np.int64),
+            np.array(offset_ids, dtype=np.int64),
+            np.array(out, dtype=np.int64),
         )
 
     def index(self, i: int) -> MetadataIndex:
         """Item ``i``'s ``MetadataIndex``."""
-        return MetadataIndex(self.fqns[i], self.offsets[i], self.hints[i])
+        offset, hint = int(self.offset_ids[i]), int(self.hints[i])
+        return MetadataIndex(
+            self.names[self.key_ids[i]],
+            None if offset < 0 else self.sizes[offset],
+            None if hint < 0 else hint,
+        )
 
 
 @dataclass
 class StorageColumns:
-    """``Metadata.storage_data`` in columns, every rank's items one after another:
-    each item's key (fqn, offset, index hint) and storage info (path, offset, length).
-    The pickle writer (:func:`~cloudckpt.strategies._dcp_metadata_pickle.
-    dumps_metadata_columns`) reads these."""
+    """``Metadata.storage_data`` in columns, every rank's items one after another, as
+    ids into tables: each item's key (fqn id, offset id, index hint; -1: None) and its
+    storage info (path id, offset, length). The pickle writer (:func:`~cloudckpt.
+    strategies._dcp_metadata_pickle.dumps_metadata_columns`) reads these."""
 
-    fqn: list[str]
-    index: list[int | None]
-    offset: list[torch.Size | None]
-    path: list[str]
-    start: list[int]
-    length: list[int]
+    names: list[str]
+    sizes: list[torch.Size]
+    paths: list[str]
+    key_ids: Any  # numpy int64 arrays, one value per item
+    offset_ids: Any
+    hints: Any
+    path_ids: Any
+    starts: Any
+    lengths: Any
 
     def __len__(self) -> int:
-        return len(self.fqn)
+        return len(self.key_ids)
 
     def storage_data(self) -> dict[MetadataIndex, _StorageInfo]:
         """The ``storage_data`` dict these columns describe (objects: for a caller that
-        needs them, such as the writer's ``metadata`` without ``.metadata``)."""
-        return {
-            MetadataIndex(f, o, i): _StorageInfo(p, s, n)
-            for f, o, i, p, s, n in zip(
-                self.fqn, self.offset, self.index, self.path, self.start, self.length, strict=True
+        needs them)."""
+        out = {}
+        for i in range(len(self)):
+            offset, hint = int(self.offset_ids[i]), int(self.hints[i])
+            key = MetadataIndex(
+                self.names[self.key_ids[i]],
+                None if offset < 0 else self.sizes[offset],
+                None if hint < 0 else hint,
             )
-        }
+            path = self.paths[self.path_ids[i]]
+            out[key] = _StorageInfo(path, int(self.starts[i]), int(self.lengths[i]))
+        return out
+
+
+class _Table:
+    """A table of distinct values (names, sizes, paths) over ranks, each value the
+    object ``shared`` holds for it where it holds one."""
+
+    def __init__(self, shared: dict[Any, Any] | None = None) -> None:
+        self.ids: dict[Any, int] = {}
+        self.values: list[Any] = []
+        self.shared = shared or {}
+        self._seen: dict[int, Any] = {}  # id(a rank's table) -> its ids here
+
+    def ids_of(self, values: Sequence[Any]) -> Any:
+        """The ids here of a rank's table ``values`` (computed once per table object)."""
+        known = self._seen.get(id(values))
+        if known is not None and known[0] is values:
+            return known[1]
+        out = np.empty(len(values), dtype=np.int64)
+        for i, value in enumerate(values):
+            found = self.ids.get(value)
+            if found is None:
+                found = self.ids[value] = len(self.values)
+                self.values.append(self.shared.get(value, value))
+            out[i] = found
+        self._seen[id(values)] = (values, out)
+        return out
 
 
 def join_columns(
@@ -185,50 +244,66 @@ def join_columns(
     shared_sizes: dict[torch.Size, torch.Size],
 ) -> tuple[StorageColumns, dict[str, RecordTable]] | None:
     """Every rank's keys joined with its result columns (the same items, in the same
-    order), equal fqns and offsets made the objects of ``shared_fqns`` and
+    order) on global tables, equal fqns and offsets the objects of ``shared_fqns`` and
     ``shared_sizes`` (so that the pickle refers to each once), and per fqn the record
     table of its items; None where a rank's columns do not match its keys."""
     if len(keys) != len(results) or any(
         len(k) != len(r) for k, r in zip(keys, results, strict=True)
     ):
         return None
-    cols = StorageColumns([], [], [], [], [], [])
-    tables: dict[str, RecordTable] = {}
-    points: dict[torch.Size, tuple[int, ...]] = {}
+    names, sizes, paths = _Table(shared_fqns), _Table(shared_sizes), _Table()
+    parts: dict[str, list[Any]] = {f: [] for f in ("key", "off", "hint", "path", "start", "len")}
+    records: dict[str, list[Any]] = {"start": [], "bytes": []}
     for rank_keys, rank in zip(keys, results, strict=True):
-        fqns = [shared_fqns.get(f, f) for f in rank_keys.fqns]
-        offsets = [None if o is None else shared_sizes.get(o, o) for o in rank_keys.offsets]
-        cols.fqn += fqns
-        cols.offset += offsets
-        cols.index += rank_keys.hints
-        cols.path += map(rank.paths.__getitem__, rank.path_ids)
-        cols.start += rank.starts
-        cols.length += rank.lengths
-        _add_records(tables, points, fqns, offsets, rank)
+        offsets = rank_keys.offset_ids
+        size_ids = np.append(sizes.ids_of(rank_keys.sizes), -1)  # -1 stays -1
+        parts["key"].append(names.ids_of(rank_keys.names)[rank_keys.key_ids])
+        parts["off"].append(size_ids[offsets])
+        parts["hint"].append(rank_keys.hints)
+        path_ids = np.frombuffer(rank.path_ids, dtype=np.int64)
+        parts["path"].append(paths.ids_of(rank.paths)[path_ids] if len(path_ids) else path_ids)
+        parts["start"].append(np.frombuffer(rank.starts, dtype=np.int64))
+        parts["len"].append(np.frombuffer(rank.lengths, dtype=np.int64))
+        records["start"].append(np.frombuffer(rank.record_starts, dtype=np.int64))
+        records["bytes"].append(np.frombuffer(rank.record_bytes, dtype=np.int64))
+    cat = {f: _concat(v) for f, v in parts.items()}
+    cols = StorageColumns(
+        names.values,
+        sizes.values,
+        paths.values,
+        cat["key"],
+        cat["off"],
+        cat["hint"],
+        cat["path"],
+        cat["start"],
+        cat["len"],
+    )
+    tables = _record_tables(cols, _concat(records["start"]), _concat(records["bytes"]))
     return cols, tables
 
 
-def _add_records(
-    tables: dict[str, RecordTable],
-    points: dict[torch.Size, tuple[int, ...]],
-    fqns: list[str],
-    offsets: list[torch.Size | None],
-    rank: ItemResultColumns,
-) -> None:
-    """Add the records of one rank's items (those with a record and an offset) to the
-    per-fqn tables, as the writer's object path does."""
-    starts, nbytes = rank.record_starts, rank.record_bytes
-    for i in (i for i, start in enumerate(starts) if start >= 0):
-        offset = offsets[i]
-        if offset is None:
-            continue
-        table = tables.get(fqns[i])
-        if table is None:
-            table = tables[fqns[i]] = {}
-        point = points.get(offset)
-        if point is None:
-            point = points[offset] = tuple(offset)
-        table[point] = (starts[i], nbytes[i])
+def _concat(arrays: list[Any]) -> Any:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+
+def _record_tables(cols: StorageColumns, starts: Any, nbytes: Any) -> dict[str, RecordTable]:
+    """Per fqn, the records of its items that have one and an offset (``{chunk offsets:
+    (start, nbytes)}``, as the writer's object path builds them), in item order."""
+    chosen = np.flatnonzero((starts >= 0) & (cols.offset_ids >= 0))
+    order = chosen[np.argsort(cols.key_ids[chosen], kind="stable")]
+    keys = cols.key_ids[order]
+    cut = np.flatnonzero(np.diff(keys)) + 1
+    bounds = [0, *cut.tolist(), len(order)]
+    points = [tuple(size) for size in cols.sizes]
+    offsets = [points[o] for o in cols.offset_ids[order].tolist()]
+    values = list(zip(starts[order].tolist(), nbytes[order].tolist(), strict=True))
+    tables: dict[str, RecordTable] = {}
+    for lo, hi in itertools.pairwise(bounds):
+        if hi > lo:
+            name = cols.names[keys[lo]]
+            table = tables.setdefault(name, {})
+            table.update(zip(offsets[lo:hi], values[lo:hi], strict=True))
+    return tables
 
 
 def as_write_results(

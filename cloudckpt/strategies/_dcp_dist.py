@@ -396,7 +396,9 @@ def column_keys(
         return None
     if not all(isinstance(u, GlobalPlanUpdate) for u in updates):
         return None
-    return [PlanKeys.of(plan, h) for plan, h in zip(planned, hints, strict=True)]
+    keys = [PlanKeys.of(plan, h) for plan, h in zip(planned, hints, strict=True)]
+    found = [k for k in keys if k is not None]
+    return found if len(found) == len(keys) else None
 
 
 def _reusable_plans(

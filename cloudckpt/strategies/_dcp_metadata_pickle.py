@@ -68,10 +68,9 @@ def dumps_metadata(metadata: Metadata) -> bytes:
 def dumps_metadata_columns(metadata: Metadata, storage: StorageColumns) -> bytes:
     """``metadata`` with the ``storage_data`` that ``storage`` describes, pickled as
     :func:`dumps_metadata` pickles it, without building the dict's per-item objects
-    (``MetadataIndex``, ``_StorageInfo``): the records are written from the columns.
-    ``metadata`` itself is left as it was."""
-    columns = _Columns.of_columns(storage)
-    if columns is None or len(storage) < 2:
+    (``MetadataIndex``, ``_StorageInfo``): the records are filled from the columns'
+    arrays. ``metadata`` itself is left as it was."""
+    if len(storage) < 2 or not _plain_tables(storage):
         full = copy.copy(metadata)
         full.storage_data = storage.storage_data()
         return dumps_metadata(full)
@@ -79,9 +78,93 @@ def dumps_metadata_columns(metadata: Metadata, storage: StorageColumns) -> bytes
     kept = metadata.storage_data
     metadata.storage_data = placeholder
     try:
-        return _dump(metadata, placeholder, columns)
+        out = _Stream()
+        out.write(pickle.PROTO + bytes([PROTOCOL]))
+        sizes = _write_storage_columns(out, placeholder, storage)
+        _write_chunks(out, metadata, sizes)
+        pickler = pickle.Pickler(out.buffer, protocol=PROTOCOL)
+        pickler.memo = out.memo
+        pickler.dump(metadata)
+        return out.buffer.getvalue()
     finally:
         metadata.storage_data = kept
+
+
+def _plain_tables(storage: StorageColumns) -> bool:
+    """Whether the tables hold what the records write (str names and paths, distinct
+    ``torch.Size`` sizes)."""
+    if set(map(type, storage.names)) | set(map(type, storage.paths)) != {str}:
+        return False
+    if storage.sizes and set(map(type, storage.sizes)) != {torch.Size}:
+        return False
+    return len(set(storage.sizes)) == len(storage.sizes)
+
+
+def _write_storage_columns(
+    out: _Stream, storage: dict[Any, Any], cols: StorageColumns
+) -> dict[Any, int]:
+    """:func:`_write_storage` from id columns: the tables memoized once each, then one
+    fixed-width record per plain item (numpy fills each field from the ids' memo
+    indices), the others opcode by opcode; the memo indices of the sizes."""
+    for cls in (MetadataIndex, _StorageInfo, torch.Size, ChunkStorageMetadata):
+        out.memoize(cls, _global)
+    for name in _NAMES.values():
+        out.memoize(name, _string)
+    names = np.array([out.memoize(s, _string) for s in cols.names] or [0], dtype=np.int64)
+    paths = np.array([out.memoize(s, _string) for s in cols.paths] or [0], dtype=np.int64)
+    push = functools.partial(_push_size, out)
+    size_memo = [out.memoize(s, push) for s in cols.sizes]
+    sizes = dict(zip(cols.sizes, size_memo, strict=True))
+    memo_of_size = np.array([*size_memo, 0], dtype=np.int64)  # -1 (None): unused 0
+    out.memoize(storage, lambda _: pickle.EMPTY_DICT)  # then pushed again, filled
+    out.write(out.get(storage) + pickle.MARK)
+    n = len(cols)
+    plain = (cols.offset_ids >= 0) & (cols.hints >= 0)
+    ints = (cols.hints[plain], cols.starts, cols.lengths)
+    wide = any(c.size and (c.min() < _INT32[0] or c.max() > _INT32[1]) for c in ints)
+    rec = _record_array(_record_parts(out, wide), n)
+    rec["fqn"] = names[cols.key_ids]
+    rec["index"] = np.where(plain, cols.hints, 0)
+    rec["offset"] = memo_of_size[cols.offset_ids]
+    rec["path"] = paths[cols.path_ids]
+    rec["start"] = cols.starts
+    rec["length"] = cols.lengths
+    raw: bytes = rec.tobytes()
+    width = rec.dtype.itemsize
+    pieces: list[bytes] = []
+    done = 0
+    memo = (names, paths, memo_of_size)
+    for i in np.flatnonzero(~plain).tolist():
+        pieces.append(raw[done * width : i * width])
+        pieces.append(_column_record(out, cols, i, memo))
+        done = i + 1
+    pieces.append(raw[done * width :])
+    out.write(b"".join(pieces))
+    out.write(pickle.SETITEMS + pickle.POP)
+    return sizes
+
+
+def _column_record(out: _Stream, cols: StorageColumns, i: int, memo: tuple[Any, ...]) -> bytes:
+    """Item ``i``'s key and value opcode by opcode (its offset or index is None)."""
+    names, paths, sizes = memo
+    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
+    end = pickle.SETITEMS + pickle.BUILD
+    offset, hint = int(cols.offset_ids[i]), int(cols.hints[i])
+    key = (
+        out.get(MetadataIndex) + new,
+        out.get(_NAMES["fqn"]) + _get(int(names[cols.key_ids[i]])),
+        out.get(_NAMES["index"]) + (pickle.NONE if hint < 0 else _int(hint)),
+        b"" if offset < 0 else out.get(_NAMES["offset"]) + _get(int(sizes[offset])),
+        end,
+    )
+    value = (
+        out.get(_StorageInfo) + new,
+        out.get(_NAMES["relative_path"]) + _get(int(paths[cols.path_ids[i]])),
+        out.get(_NAMES["offset"]) + _int(int(cols.starts[i])),
+        out.get(_NAMES["length"]) + _int(int(cols.lengths[i])),
+        end,
+    )
+    return b"".join(key) + b"".join(value)
 
 
 def _dump(metadata: Metadata, storage: dict[Any, Any], columns: _Columns) -> bytes:
@@ -135,22 +218,6 @@ class _Columns:
         if self.key_dicts is None:
             return self.offset[i] is not None
         return "offset" in self.key_dicts[i]
-
-    @classmethod
-    def of_columns(cls, storage: StorageColumns) -> _Columns | None:
-        """The columns of ``storage`` (keys as the ``MetadataIndex`` constructor makes
-        them), or None where an item has another shape."""
-        columns: dict[str, list[Any]] = {
-            "fqn": storage.fqn,
-            "index": storage.index,
-            "offset": storage.offset,
-            "relative_path": storage.path,
-            "start": storage.start,
-            "length": storage.length,
-        }
-        if len(set(map(len, columns.values()))) != 1:
-            return None
-        return cls(columns, None) if _plain_types(columns) else None
 
     @classmethod
     def of(cls, storage: dict[Any, Any]) -> _Columns | None:
@@ -353,26 +420,7 @@ def _records(
         offsets = [o if p else None for o, p in zip(offsets, cols.plain, strict=True)]
     ints = (index, cols.start, cols.length)
     wide = any(min(c, default=0) < _INT32[0] or max(c, default=0) > _INT32[1] for c in ints)
-    int_op, int_type = (pickle.LONG1 + b"\x08", "<i8") if wide else (pickle.BININT, "<i4")
-    key_cls, info_cls = out.get(MetadataIndex), out.get(_StorageInfo)
-    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
-    end = pickle.SETITEMS + pickle.BUILD
-    parts: list[tuple[str, bytes | str]] = [
-        ("c0", key_cls + new + out.get(names["fqn"]) + pickle.LONG_BINGET),
-        ("fqn", "<u4"),
-        ("c1", out.get(names["index"]) + int_op),
-        ("index", int_type),
-        ("c2", out.get(names["offset"]) + pickle.LONG_BINGET),
-        ("offset", "<u4"),
-        ("c3", end + info_cls + new + out.get(names["relative_path"]) + pickle.LONG_BINGET),
-        ("path", "<u4"),
-        ("c4", out.get(names["offset"]) + int_op),
-        ("start", int_type),
-        ("c5", out.get(names["length"]) + int_op),
-        ("length", int_type),
-        ("c6", end),
-    ]
-    rec = _record_array(parts, n)
+    rec = _record_array(_record_parts(out, wide, names), n)
     dtype = rec.dtype
     rec["fqn"] = list(map(fqns.__getitem__, cols.fqn))
     rec["path"] = list(map(paths.__getitem__, cols.path))
@@ -395,6 +443,32 @@ def _records(
         done = i + 1
     pieces.append(raw[done * width :])
     return b"".join(pieces)
+
+
+def _record_parts(
+    out: _Stream, wide: bool, names: dict[str, str] | None = None
+) -> list[tuple[str, bytes | str]]:
+    """The fields of a plain item's record: (name, constant opcodes or numpy type)."""
+    names = names or _NAMES
+    int_op, int_type = (pickle.LONG1 + b"\x08", "<i8") if wide else (pickle.BININT, "<i4")
+    key_cls, info_cls = out.get(MetadataIndex), out.get(_StorageInfo)
+    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
+    end = pickle.SETITEMS + pickle.BUILD
+    return [
+        ("c0", key_cls + new + out.get(names["fqn"]) + pickle.LONG_BINGET),
+        ("fqn", "<u4"),
+        ("c1", out.get(names["index"]) + int_op),
+        ("index", int_type),
+        ("c2", out.get(names["offset"]) + pickle.LONG_BINGET),
+        ("offset", "<u4"),
+        ("c3", end + info_cls + new + out.get(names["relative_path"]) + pickle.LONG_BINGET),
+        ("path", "<u4"),
+        ("c4", out.get(names["offset"]) + int_op),
+        ("start", int_type),
+        ("c5", out.get(names["length"]) + int_op),
+        ("length", int_type),
+        ("c6", end),
+    ]
 
 
 def _offset(offset: torch.Size | None, sizes: dict[torch.Size, int]) -> bytes:

@@ -288,40 +288,50 @@ def linear_global_columns(plans: Sequence[PlanColumns]) -> ColumnsGlobalPlan | N
 
 class _KeyTable:
     """The coordinator's tables for :func:`linear_global_columns`: the metadata by key,
-    each tensor's id, rank (dimensions) and size, the distinct sizes of every rank."""
+    each key's id and tensor, each tensor's size, the distinct sizes of every rank."""
 
     def __init__(self) -> None:
         self.md: dict[str, _STORAGE] = {}
-        self.ids: dict[str, int] = {}  # a tensor's id; -2: a bytes key
+        self.ids: dict[str, int] = {}  # a key's id: its position in names
+        self.names: list[str] = []
+        self.key_tensor: list[int] = []  # per key, its tensor's id; -2: a bytes key
+        self._key_tensor = np.zeros(0, dtype=np.int64)  # key_tensor, as far as converted
         self.values: list[TensorStorageMetadata] = []
         self.extents: list[torch.Size] = []
         self.sizes: dict[torch.Size, int] = {}
 
-    def add(self, plan: PlanColumns) -> tuple[Any, Any, Any, Any] | None:
-        """Register one rank's items; per tensor item (a mask over its items) the
-        tensor's id and the global ids of its chunk's offsets and sizes."""
+    def add(self, plan: PlanColumns) -> tuple[Any, ...] | None:
+        """Register one rank's items: per item its key's id; per tensor item (a mask
+        over the items) its tensor's id and the global ids of its chunk's offsets and
+        sizes."""
         fqns, ids = plan.fqns, self.ids
-        tids = [ids.get(f, -1) for f in fqns]
+        kids = [ids.get(f, -1) for f in fqns]
         first = np.zeros(len(fqns), dtype=bool)
-        for i in [i for i, t in enumerate(tids) if t == -1]:
+        for i in [i for i, k in enumerate(kids) if k == -1]:
             fqn = fqns[i]
             known = ids.get(fqn)
             if known is not None:  # a second chunk of a tensor new on this rank
-                tids[i] = known
+                kids[i] = known
                 continue
             first[i] = True
+            kids[i] = ids[fqn] = len(self.names)
+            self.names.append(fqn)
             if plan.types[i] == _BYTE_IO:
                 self.md[fqn] = BytesStorageMetadata()
-                tids[i] = ids[fqn] = -2
+                self.key_tensor.append(-2)
                 continue
             extent = plan.sizes[plan.extent_ids[i]]
             value = TensorStorageMetadata(plan.properties[plan.property_ids[i]], extent, [])
             self.md[fqn] = value
-            tids[i] = ids[fqn] = len(self.values)
+            self.key_tensor.append(len(self.values))
             self.values.append(value)
             self.extents.append(extent)
+        if len(self._key_tensor) < len(self.key_tensor):
+            added = np.array(self.key_tensor[len(self._key_tensor) :], dtype=np.int64)
+            self._key_tensor = np.concatenate([self._key_tensor, added])
         kinds = np.frombuffer(plan.types, dtype=np.uint8)
-        tid = np.array(tids, dtype=np.int64)
+        kid = np.array(kids, dtype=np.int64)
+        tid = self._key_tensor[kid]
         byte = kinds == _BYTE_IO
         if (byte & ~first).any() or (~byte & (tid < 0)).any():
             return None  # a duplicate or a clash of keys: DCP decides
@@ -333,7 +343,7 @@ class _KeyTable:
         tensor = ~byte
         offsets = np.frombuffer(plan.offset_ids, dtype=np.int64)[tensor]
         sizes = np.frombuffer(plan.size_ids, dtype=np.int64)[tensor]
-        return tensor, tid[tensor], to_global[offsets], to_global[sizes]
+        return tensor, tid[tensor], to_global[offsets], to_global[sizes], kid
 
     def finish(
         self, plans: Sequence[PlanColumns], parts: list[Any], check_fill: bool
@@ -380,18 +390,15 @@ class _KeyTable:
     ) -> ColumnsGlobalPlan:
         hints, keys = [], []
         done = 0
-        for plan, (tensor, _, off, _) in zip(plans, parts, strict=True):
+        for plan, (tensor, _, off, _, kid) in zip(plans, parts, strict=True):
             rank = np.full(len(plan), -1, dtype=np.int64)
+            offsets = np.full(len(plan), -1, dtype=np.int64)
             count = len(off)
             rank[tensor] = hint_all[done : done + count]
-            offsets: list[torch.Size | None] = [None] * len(plan)
-            positions = np.flatnonzero(tensor).tolist()
-            for i, o in zip(positions, off.tolist(), strict=True):
-                offsets[i] = pool[o]
+            offsets[tensor] = off
             done += count
             hints.append(array.array("q", rank.tobytes()))
-            rank_hints = [h if h >= 0 else None for h in rank.tolist()]
-            keys.append(PlanKeys(plan.fqns, offsets, rank_hints))
+            keys.append(PlanKeys(self.names, pool, kid, offsets, rank))
         return ColumnsGlobalPlan(Metadata(self.md), hints, keys)
 
 
