@@ -24,12 +24,15 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
 * ``plan``: zarr: the coordinator's step of ``ZarrSaveShardedStrategy._flat_writes``:
   unpickling every rank's table of flattened pieces (``flat_shard_table``, gathered on
   the coordinator only), ``plan_flat_exchange``, and pickling each rank's part for the
-  scatter (a rank unpickles only its own); torch_dist: DCP's coordinator step with
-  cloudckpt's planner and writer (``create_global_plan``, ``prepare_global_plan``) on
-  every rank's local plan, pickling each rank's ``GlobalPlanUpdate`` (its items' index
-  hints and the writer's storage data) for the scatter and expanding its own, then
-  ``finish`` (``.metadata`` from every rank's item results, with the records the real
-  writer's results carry, into ``memory://``);
+  scatter (a rank unpickles only its own); torch_dist: the save's real coordinator step
+  with cloudckpt's planner and writer (``global_step_columns``) on every rank's local plan
+  sent in columns (``PlanColumns``), pickling each rank's ``GlobalPlanUpdate`` (its items'
+  index hints and the writer's storage data) for the scatter and expanding its own, then
+  ``finish_columns`` (``.metadata`` from every rank's item results sent in columns,
+  ``ItemResultColumns``, with the records the real writer's results carry, into
+  ``memory://``). Each rank's local plan is built when it sends it and kept in columns
+  (the rank's plan is rebuilt from them to expand its update: equal items), so that
+  4,096 x 2,000 fits in memory;
 * ``merge``: ``commit``'s coordinator step: unpickling every rank's tensor digest (the
   all-gather that tells each rank which piece of the tensor entries it shares with others
   it sends) and every rank's ``CommitRecord`` (write results in columns, a piece of the
@@ -456,19 +459,23 @@ def _torch_dist_steps(
     storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
     writer, coordinator, local = dcp_local_step(0, shards_of(0), storage)
 
-    def local_plan(rank: int) -> SavePlan:  # each rank's, built when it sends (memory)
-        return local if rank == 0 else dcp_local_step(rank, shards_of(rank), storage)[2]
+    kept: list[Any] = []  # each rank's plan in columns (the rank keeps its plan: memory)
 
     def sent_plan(rank: int) -> Any:  # what plan_save's send_local_plan sends
-        plan = local_plan(rank)
-        return PlanColumns.of(plan) if plans_in_columns(coordinator, writer) else plan
+        plan = local if rank == 0 else dcp_local_step(rank, shards_of(rank), storage)[2]
+        kept.append(PlanColumns.of(plan) if plans_in_columns(coordinator, writer) else plan)
+        return kept[-1]
+
+    def local_plan(rank: int) -> SavePlan:  # the rank's plan again (equal items)
+        plan = kept[rank]
+        return plan.to_plan() if isinstance(plan, PlanColumns) else plan
 
     with _paused(pause_gc):  # plan_save's gather, global step and scatter
         gathered = _exchange(row, "plan", "dcp_plan", (sent_plan(r) for r in range(world.size)))
         fast = _timed(row, "plan", lambda: global_step_columns(coordinator, writer, gathered))
         if fast is None:
             raise SystemExit("torch_dist: the coordinator's step on columns did not apply")
-        metadata, keys, scattered = fast
+        metadata, keys, scattered, chunks = fast
         gathered.clear()
         updates = _scatter(row, "plan", "dcp_plans", scattered)
         # every rank expands its own update at once: the coordinator's is timed
@@ -478,6 +485,7 @@ def _torch_dist_steps(
 
     def sent_results(rank: int) -> Any:  # what PlannedSave.write returns
         plan = apply_global_plan_update(local_plan(rank), updates[rank])
+        kept[rank] = None
         results = dcp_item_results(plan)
         paths.append(sorted({i.storage_data.relative_path for i in results}))
         return ItemResultColumns.of(plan.items, results) if updates[rank].columns else results
@@ -486,7 +494,7 @@ def _torch_dist_steps(
         results = _exchange(
             row, "plan", "dcp_results", (sent_results(r) for r in range(world.size))
         )
-        _timed(row, "plan", lambda: writer.finish_columns(metadata, keys, results))
+        _timed(row, "plan", lambda: writer.finish_columns(metadata, keys, results, chunks))
         results.clear()
     row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
     records = []

@@ -6,6 +6,8 @@ the object path for custom planners."""
 
 from __future__ import annotations
 
+import array
+import copy
 import dataclasses
 import os
 import pickle
@@ -28,6 +30,7 @@ from cloudckpt.strategies._dcp_dist import (
     global_step_columns,
     plans_in_columns,
 )
+from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata_columns
 from cloudckpt.strategies._dcp_plan import (
     GlobalPlanUpdate,
     LinearGlobalPlanMixin,
@@ -96,7 +99,7 @@ def test_the_real_step_scatters_the_same_updates() -> None:
     assert plans_in_columns(planner, writer)
     fast = global_step_columns(planner, writer, list(_sent(plans)))
     assert fast is not None
-    metadata, keys, updates = fast
+    metadata, keys, updates, _ = fast
     assert all(isinstance(u, GlobalPlanUpdate) and u.columns for u in updates)
     ref_planner, ref_writer = _planner(), _writer()
     planned, ref_md = create_global_plan(ref_planner, ref_writer, plans)
@@ -199,3 +202,51 @@ def test_a_real_save_plans_in_columns(tmp_path: Path, monkeypatch: pytest.Monkey
         for key, value in _state().items():
             if hasattr(value, "data") and isinstance(value.data, torch.Tensor):
                 assert torch.equal(loaded[key], value.data)
+
+
+def test_chunk_lists_written_from_ids_unpickle_to_the_metadatas() -> None:
+    plans = _local_plans(sim.World(4, 2, 3, 24), 13)
+    fast = linear_global_columns(_sent(plans))
+    assert fast is not None
+    md, chunks = fast.metadata, fast.chunks
+    storage = _storage_columns(fast)
+    with_ids = pickle.loads(dumps_metadata_columns(md, storage, chunks))
+    without = pickle.loads(dumps_metadata_columns(md, storage))
+    expected = copy.copy(md)
+    expected.storage_data = storage.storage_data()
+    expected = pickle.loads(pickle.dumps(expected))
+    for loaded in (with_ids, without):
+        assert loaded == expected and repr(loaded) == repr(expected)
+    # a list replaced since (or ids that do not match): the objects are pickled
+    name = chunks.names[0]
+    swapped = copy.copy(md)
+    swapped.state_dict_metadata = dict(md.state_dict_metadata)
+    value = copy.copy(md.state_dict_metadata[name])
+    value.chunks = list(value.chunks[:1])
+    swapped.state_dict_metadata[name] = value
+    loaded = pickle.loads(dumps_metadata_columns(swapped, storage, chunks))
+    assert loaded.state_dict_metadata[name].chunks == value.chunks
+    assert loaded.state_dict_metadata == swapped.state_dict_metadata
+
+
+def _storage_columns(fast: Any) -> Any:
+    """Made-up storage columns for ``fast``'s items (one object per rank)."""
+    from cloudckpt.strategies._dcp_columns import ItemResultColumns, join_columns  # noqa: PLC0415
+
+    results = []
+    for keys in fast.keys:
+        n = len(keys)
+        zeros = array.array("q", [0]) * n
+        results.append(
+            ItemResultColumns(
+                ("__0_0.distcp",),
+                zeros,
+                array.array("q", range(n)),
+                array.array("q", [7]) * n,
+                array.array("q", [-1]) * n,
+                zeros,
+            )
+        )
+    joined = join_columns(fast.keys, results, {}, {})
+    assert joined is not None
+    return joined[0]

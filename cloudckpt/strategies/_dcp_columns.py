@@ -306,6 +306,21 @@ def _record_tables(cols: StorageColumns, starts: Any, nbytes: Any) -> dict[str, 
     return tables
 
 
+@dataclass(frozen=True)
+class ChunkColumns:
+    """The chunk lists of the global metadata's tensors as ids, as the coordinator's
+    step on columns made them: per tensor (in order) its key and its list object; per
+    chunk (the tensors' lists one after another) ids into ``sizes`` of its offsets and
+    sizes. The pickle writer writes the lists from these where the metadata still
+    holds those very lists."""
+
+    names: list[str]
+    lists: list[list[ChunkStorageMetadata]]
+    sizes: list[torch.Size]
+    offset_ids: Any  # numpy int64 arrays, one value per chunk
+    size_ids: Any
+
+
 def as_write_results(
     keys: PlanKeys, results: ItemResultColumns | list[DcpWriteResult]
 ) -> list[DcpWriteResult]:
@@ -460,6 +475,7 @@ def _tensor_ids(
 
 
 __all__ = [
+    "ChunkColumns",
     "ItemResultColumns",
     "PlanColumns",
     "PlanKeys",

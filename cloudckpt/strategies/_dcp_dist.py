@@ -14,6 +14,19 @@ plan (:class:`~cloudckpt.strategies._dcp_plan.GlobalPlanUpdate`: the items' inde
 hints and the writer's storage data) where that is all it changed, instead of the
 whole global plan: a few bytes per item, not growing with the world size.
 
+With cloudckpt's own planner and writer (the common case, :func:`plans_in_columns`)
+the ranks send their local plans in columns (:class:`~cloudckpt.strategies.
+_dcp_columns.PlanColumns`: keys once, ids into the rank's distinct sizes and
+properties) instead of pickled ``WriteItem`` s; the coordinator plans them on arrays
+(:func:`~cloudckpt.strategies._dcp_plan.linear_global_columns`: the same ``Metadata``
+and index hints as DCP's step), keeps every rank's item keys, and asks the ranks for
+their write results in columns (:class:`~cloudckpt.strategies._dcp_columns.
+ItemResultColumns`), from which the writer pickles ``.metadata`` without building the
+per-item objects (:meth:`~cloudckpt.strategies._dcp_storage.CloudStorageWriter.
+finish_columns`). Anything the columns cannot prove (a duplicate, chunks off a grid,
+an item of another shape) goes to the object path and DCP's own step, and a custom
+planner or writer (Megatron-Core's, a subclass overriding a step) always takes it.
+
 A :class:`SavePlanCache` (a strategy's ``cached_metadata=True``, Megatron-Core's
 ``ckpt_assume_constant_structure``) keeps the plans of one save for the next: while
 every rank's local plan is the one it had, the plans are not gathered, planned and
@@ -37,7 +50,12 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
-from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanColumns, PlanKeys
+from cloudckpt.strategies._dcp_columns import (
+    ChunkColumns,
+    ItemResultColumns,
+    PlanColumns,
+    PlanKeys,
+)
 from cloudckpt.strategies._dcp_plan import (
     GlobalPlanUpdate,
     LinearGlobalPlanMixin,
@@ -99,6 +117,7 @@ class _CachedPlans:
     extra: dict[str, Any] | None
     columns: bool = False  # this rank sends its write results in columns
     keys: list[PlanKeys] | None = None  # the coordinator's: every rank's item keys
+    chunks: ChunkColumns | None = None  # the coordinator's: the chunk lists as ids
 
 
 class SavePlanCache:
@@ -141,10 +160,11 @@ class SavePlanCache:
         extra: dict[str, Any] | None,
         columns: bool = False,
         keys: list[PlanKeys] | None = None,
+        chunks: ChunkColumns | None = None,
     ) -> None:
         """Keep one save's plans for the next."""
         where = (wrapper.get_rank(), wrapper.get_world_size())
-        self._plans = _CachedPlans(where, local, central, metadata, extra, columns, keys)
+        self._plans = _CachedPlans(where, local, central, metadata, extra, columns, keys, chunks)
 
 
 @dataclass
@@ -163,6 +183,8 @@ class PlannedSave:
     """This rank sends its write results in columns (the coordinator knows the keys)."""
     keys: list[PlanKeys] | None = None
     """The coordinator's: every rank's item keys, for results sent in columns."""
+    chunks: ChunkColumns | None = None
+    """The coordinator's: the metadata's chunk lists as ids (its step on columns)."""
 
     def write(self) -> Any:
         """Serialize and upload this rank's items; their DCP write results (in columns,
@@ -191,7 +213,7 @@ class PlannedSave:
             assert self.metadata is not None, "the coordinator planned no metadata"
             with dist.paused_gc():  # every rank's item results, merged at once
                 if self.keys is not None and isinstance(self.writer, CloudStorageWriter):
-                    self.writer.finish_columns(self.metadata, self.keys, results)
+                    self.writer.finish_columns(self.metadata, self.keys, results, self.chunks)
                 else:
                     self.writer.finish(metadata=self.metadata, results=results)
             return self.metadata
@@ -226,6 +248,7 @@ def plan_save(
     local_plans: list[SavePlan] = []
     states: list[dict[str, Any]] = []
     keys: list[PlanKeys] | None = None
+    chunks: ChunkColumns | None = None
 
     def local_step() -> SavePlan:
         if not states:
@@ -244,11 +267,11 @@ def plan_save(
         return plan
 
     def global_step(sent: list[SavePlan | PlanColumns]) -> list[SavePlan | GlobalPlanUpdate]:
-        nonlocal global_metadata, keys
+        nonlocal global_metadata, keys, chunks
         with dist.paused_gc():  # every rank's items, planned at once (see paused_gc)
             fast = global_step_columns(planner, writer, sent)
             if fast is not None:
-                global_metadata, keys, scattered = fast
+                global_metadata, keys, scattered, chunks = fast
                 return list(scattered)
             plans = [p.to_plan() if isinstance(p, PlanColumns) else p for p in sent]
             planned, global_metadata = create_global_plan(planner, writer, plans)
@@ -268,7 +291,7 @@ def plan_save(
         global_metadata = copy.copy(cached.metadata)  # the writer's finish sets its fields
         if cached.extra is not None:
             writer.mcore_data = dict(cached.extra)  # type: ignore[attr-defined]
-        columns, keys = cached.columns, cached.keys
+        columns, keys, chunks = cached.columns, cached.keys, cached.chunks
     else:
         update = wrapper.reduce_scatter("plan", send_local_plan, global_step)
         central = apply_global_plan_update(local_plans[-1], update)
@@ -283,9 +306,10 @@ def plan_save(
                 dict(extra) if extra is not None else None,
                 columns,
                 keys,
+                chunks,
             )
     final = planner.finish_plan(central)
-    return PlannedSave(wrapper, writer, planner, final, global_metadata, columns, keys)
+    return PlannedSave(wrapper, writer, planner, final, global_metadata, columns, keys, chunks)
 
 
 def save_state_dict(
@@ -360,7 +384,7 @@ def plans_in_columns(planner: SavePlanner, writer: StorageWriter) -> bool:
 
 def global_step_columns(
     planner: SavePlanner, writer: StorageWriter, sent: list[SavePlan | PlanColumns]
-) -> tuple[Metadata, list[PlanKeys], list[GlobalPlanUpdate]] | None:
+) -> tuple[Metadata, list[PlanKeys], list[GlobalPlanUpdate], ChunkColumns] | None:
     """The coordinator's step on plans sent in columns: the global metadata, every
     rank's item keys and the updates to scatter (results asked in columns); None where
     a rank sent its plan as objects or the fast path cannot prove the plans (the caller
@@ -378,7 +402,7 @@ def global_step_columns(
         GlobalPlanUpdate(hints, plan.storage_data, plan.planner_data, plan.usable, columns=True)
         for hints, plan in zip(fast.hints, central, strict=True)
     ]
-    return fast.metadata, fast.keys, updates
+    return fast.metadata, fast.keys, updates, fast.chunks
 
 
 def column_keys(

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from cloudckpt.strategies._dcp_columns import StorageColumns
+from cloudckpt.strategies._dcp_columns import ChunkColumns, StorageColumns
 
 PROTOCOL = 4  # pickle.dumps's default protocol here: what the writer wrote before
 _INT32 = (-(1 << 31), (1 << 31) - 1)
@@ -65,11 +65,14 @@ def dumps_metadata(metadata: Metadata) -> bytes:
     return _dump(metadata, storage, columns)
 
 
-def dumps_metadata_columns(metadata: Metadata, storage: StorageColumns) -> bytes:
+def dumps_metadata_columns(
+    metadata: Metadata, storage: StorageColumns, chunks: ChunkColumns | None = None
+) -> bytes:
     """``metadata`` with the ``storage_data`` that ``storage`` describes, pickled as
     :func:`dumps_metadata` pickles it, without building the dict's per-item objects
     (``MetadataIndex``, ``_StorageInfo``): the records are filled from the columns'
-    arrays. ``metadata`` itself is left as it was."""
+    arrays; so are the tensors' chunk lists from ``chunks`` where ``metadata`` holds
+    those very lists. ``metadata`` itself is left as it was."""
     if len(storage) < 2 or not _plain_tables(storage):
         full = copy.copy(metadata)
         full.storage_data = storage.storage_data()
@@ -81,7 +84,8 @@ def dumps_metadata_columns(metadata: Metadata, storage: StorageColumns) -> bytes
         out = _Stream()
         out.write(pickle.PROTO + bytes([PROTOCOL]))
         sizes = _write_storage_columns(out, placeholder, storage)
-        _write_chunks(out, metadata, sizes)
+        if chunks is None or not _write_chunk_columns(out, metadata, chunks, sizes):
+            _write_chunks(out, metadata, sizes)
         pickler = pickle.Pickler(out.buffer, protocol=PROTOCOL)
         pickler.memo = out.memo
         pickler.dump(metadata)
@@ -388,6 +392,61 @@ def _write_chunks(out: _Stream, metadata: Metadata, sizes: dict[Any, int]) -> No
         out.memo[id(chunk_list)] = (len(out.memo), chunk_list)
         done += len(chunk_list)
     out.write(b"".join(pieces))
+
+
+_LONG_GET = pickle.LONG_BINGET
+
+
+def _write_chunk_columns(
+    out: _Stream, metadata: Metadata, chunks: ChunkColumns, sizes: dict[Any, int]
+) -> bool:
+    """:func:`_write_chunks` from ids: each tensor's chunk list, where ``metadata``
+    holds the very list ``chunks`` names for it (of the length the ids say), written as
+    records filled with numpy; False (nothing written) where it does not."""
+    md = metadata.state_dict_metadata
+    if type(md) is not dict or len(chunks.lists) != len(chunks.names):
+        return False
+    for name, chunk_list in zip(chunks.names, chunks.lists, strict=True):
+        value = md.get(name)
+        if type(value) is not TensorStorageMetadata or value.chunks is not chunk_list:
+            return False
+        if type(chunk_list) is not list:
+            return False
+    lengths = [len(chunk_list) for chunk_list in chunks.lists]
+    if sum(lengths) != len(chunks.offset_ids) or len(set(map(id, chunks.lists))) != len(lengths):
+        return False
+    if set(map(type, chunks.sizes)) - {torch.Size}:
+        return False
+    push = functools.partial(_push_size, out)
+    memo = [sizes[s] if s in sizes else out.memoize(s, push) for s in chunks.sizes]
+    for size, index in zip(chunks.sizes, memo, strict=True):
+        sizes.setdefault(size, index)
+    memo_of = np.array([*memo, 0], dtype=np.int64)
+    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
+    parts: list[tuple[str, bytes | str]] = [
+        (
+            "c0",
+            out.get(ChunkStorageMetadata) + new + out.get(_NAMES["offsets"]) + pickle.LONG_BINGET,
+        ),
+        ("offsets", "<u4"),
+        ("c1", out.get(_NAMES["sizes"]) + pickle.LONG_BINGET),
+        ("sizes", "<u4"),
+        ("c2", pickle.SETITEMS + pickle.BUILD),
+    ]
+    rec = _record_array(parts, len(chunks.offset_ids))
+    rec["offsets"] = memo_of[chunks.offset_ids]
+    rec["sizes"] = memo_of[chunks.size_ids]
+    raw, width = rec.tobytes(), rec.dtype.itemsize
+    pieces = []
+    done = 0
+    for chunk_list, count in zip(chunks.lists, lengths, strict=True):
+        pieces.append(pickle.EMPTY_LIST + pickle.MEMOIZE + pickle.MARK)
+        pieces.append(raw[done * width : (done + count) * width])
+        pieces.append(pickle.APPENDS + pickle.POP)
+        out.memo[id(chunk_list)] = (len(out.memo), chunk_list)
+        done += count
+    out.write(b"".join(pieces))
+    return True
 
 
 def _record_array(parts: list[tuple[str, bytes | str]], n: int) -> Any:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from cloudckpt.strategies._dcp_columns import PlanColumns, PlanKeys
+from cloudckpt.strategies._dcp_columns import ChunkColumns, PlanColumns, PlanKeys
 
 _STORAGE = BytesStorageMetadata | TensorStorageMetadata
 #: copying the instance dicts (item, index) is exact only for dataclasses with one
@@ -262,6 +262,7 @@ class ColumnsGlobalPlan:
     metadata: Metadata
     hints: list[array.array[int]]
     keys: list[PlanKeys]
+    chunks: ChunkColumns
 
 
 _BYTE_IO = WriteItemType.BYTE_IO.value
@@ -297,6 +298,7 @@ class _KeyTable:
         self.key_tensor: list[int] = []  # per key, its tensor's id; -2: a bytes key
         self._key_tensor = np.zeros(0, dtype=np.int64)  # key_tensor, as far as converted
         self.values: list[TensorStorageMetadata] = []
+        self.tensor_names: list[str] = []
         self.extents: list[torch.Size] = []
         self.sizes: dict[torch.Size, int] = {}
 
@@ -325,6 +327,7 @@ class _KeyTable:
             self.md[fqn] = value
             self.key_tensor.append(len(self.values))
             self.values.append(value)
+            self.tensor_names.append(fqn)
             self.extents.append(extent)
         if len(self._key_tensor) < len(self.key_tensor):
             added = np.array(self.key_tensor[len(self._key_tensor) :], dtype=np.int64)
@@ -376,18 +379,22 @@ class _KeyTable:
         starts = np.searchsorted(ordered, np.arange(len(self.values) + 1))
         hint_all = np.empty(len(tid), dtype=np.int64)
         hint_all[order] = np.arange(len(tid)) - starts[ordered]
+        off, sz = off[order], sz[order]
         chunks = [
             ChunkStorageMetadata(pool[o], pool[s])
-            for o, s in zip(off[order].tolist(), sz[order].tolist(), strict=True)
+            for o, s in zip(off.tolist(), sz.tolist(), strict=True)
         ]
         bounds = starts.tolist()
         for t, value in enumerate(self.values):
             value.chunks = chunks[bounds[t] : bounds[t + 1]]
-        return self._per_rank(plans, parts, hint_all, pool)
+        lists = [value.chunks for value in self.values]
+        columns = ChunkColumns(self.tensor_names, lists, pool, off, sz)
+        return self._per_rank(plans, parts, hint_all, columns)
 
     def _per_rank(
-        self, plans: Sequence[PlanColumns], parts: list[Any], hint_all: Any, pool: list[Any]
+        self, plans: Sequence[PlanColumns], parts: list[Any], hint_all: Any, chunks: ChunkColumns
     ) -> ColumnsGlobalPlan:
+        pool = chunks.sizes
         hints, keys = [], []
         done = 0
         for plan, (tensor, _, off, _, kid) in zip(plans, parts, strict=True):
@@ -399,7 +406,7 @@ class _KeyTable:
             done += count
             hints.append(array.array("q", rank.tobytes()))
             keys.append(PlanKeys(self.names, pool, kid, offsets, rank))
-        return ColumnsGlobalPlan(Metadata(self.md), hints, keys)
+        return ColumnsGlobalPlan(Metadata(self.md), hints, keys, chunks)
 
 
 def _size_matrix(sizes: Sequence[torch.Size]) -> tuple[Any, Any] | None:

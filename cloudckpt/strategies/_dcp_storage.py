@@ -68,6 +68,7 @@ from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
 from cloudckpt.storage.buffers import Progress
 from cloudckpt.strategies._dcp_columns import (
+    ChunkColumns,
     ItemResultColumns,
     PlanKeys,
     StorageColumns,
@@ -332,12 +333,14 @@ class CloudStorageWriter(StorageWriter):
         metadata: Metadata,
         keys: Sequence[PlanKeys],
         results: Sequence[ItemResultColumns | list[DcpWriteResult]],
+        chunks: ChunkColumns | None = None,
     ) -> None:
         """:meth:`finish` for results sent in columns (:mod:`~cloudckpt.strategies.
         _dcp_columns`), ``keys`` naming each rank's items: ``.metadata`` is written from
         the columns (:func:`~cloudckpt.strategies._dcp_metadata_pickle.
         dumps_metadata_columns`), the same ``Metadata`` when unpickled, without the
-        per-item objects. :attr:`metadata` then holds the global metadata without
+        per-item objects; with ``chunks`` (the coordinator's step on columns) the
+        metadata's chunk lists too. :attr:`metadata` then holds the global metadata without
         ``storage_data`` (None), :attr:`storage_columns` its columns. Where a rank sent
         objects, or no ``.metadata`` is written (``write_metadata=False``: the
         ``Metadata`` is kept whole), this is :meth:`finish`."""
@@ -350,7 +353,7 @@ class CloudStorageWriter(StorageWriter):
         if type(metadata) is not Metadata:
             metadata = Metadata(**{f.name: getattr(metadata, f.name) for f in fields(Metadata)})
         metadata.version = DCP_VERSION
-        sizes = _share_sizes(metadata)
+        sizes = {} if chunks is not None else _share_sizes(metadata)  # else: one pool
         shared = {key: key for key in metadata.state_dict_metadata}
         joined = join_columns(keys, columns, shared, sizes)
         if joined is None:
@@ -366,7 +369,7 @@ class CloudStorageWriter(StorageWriter):
             metadata.mcore_data = extra  # type: ignore[attr-defined]
         self.metadata = metadata
         self.storage_columns = storage
-        raw = dumps_metadata_columns(metadata, storage)
+        raw = dumps_metadata_columns(metadata, storage, chunks)
         self.results.append(self.storage.write(METADATA_FNAME, raw))
 
     def storage_meta(self) -> StorageMeta | None:
