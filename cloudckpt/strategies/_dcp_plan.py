@@ -239,7 +239,7 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
         if radix * len(ext) > _MAX_KEY:
             return False
         starts = tids * radix + off[:, dim]
-        bounds = np.unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
+        bounds = _sorted_unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
         pos = np.searchsorted(bounds, starts)
         following = np.append(bounds, -1)[pos + 1]
         if not (following == starts + sz[:, dim]).all():
@@ -248,7 +248,20 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
         if cells > _MAX_KEY:
             return False
         cell = cell * len(bounds) + pos
-    return len(np.unique(cell)) == len(cell)
+    cell.sort()
+    return bool((cell[1:] != cell[:-1]).all())
+
+
+def _sorted_unique(values: Any) -> Any:
+    """``np.unique`` of an int array by sorting (numpy's hashed unique slows down
+    badly on these keys: tensor id times a radix plus an offset)."""
+    values = np.sort(values)
+    if len(values) < 2:
+        return values
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
 
 
 _MAX_KEY = 1 << 62
