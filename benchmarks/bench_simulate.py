@@ -24,12 +24,15 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
 * ``plan``: zarr: the coordinator's step of ``ZarrSaveShardedStrategy._flat_writes``:
   unpickling every rank's table of flattened pieces (``flat_shard_table``, gathered on
   the coordinator only), ``plan_flat_exchange``, and pickling each rank's part for the
-  scatter (a rank unpickles only its own); torch_dist: DCP's coordinator step with
-  cloudckpt's planner and writer (``create_global_plan``, ``prepare_global_plan``) on
-  every rank's local plan, pickling each rank's ``GlobalPlanUpdate`` (its items' index
-  hints and the writer's storage data) for the scatter and expanding its own, then
-  ``finish`` (``.metadata`` from every rank's item results, with the records the real
-  writer's results carry, into ``memory://``);
+  scatter (a rank unpickles only its own); torch_dist: the save's real coordinator step
+  with cloudckpt's planner and writer (``global_step_columns``) on every rank's local plan
+  sent in columns (``PlanColumns``), pickling each rank's ``GlobalPlanUpdate`` (its items'
+  index hints and the writer's storage data) for the scatter and expanding its own, then
+  ``finish_columns`` (``.metadata`` from every rank's item results sent in columns,
+  ``ItemResultColumns``, with the records the real writer's results carry, into
+  ``memory://``). Each rank's local plan is built when it sends it and kept in columns
+  (the rank's plan is rebuilt from them to expand its update: equal items), so that
+  4,096 x 2,000 fits in memory;
 * ``merge``: ``commit``'s coordinator step: unpickling every rank's tensor digest (the
   all-gather that tells each rank which piece of the tensor entries it shares with others
   it sends) and every rank's ``CommitRecord`` (write results in columns, a piece of the
@@ -66,7 +69,7 @@ import os
 import pickle
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -86,8 +89,9 @@ from cloudckpt.session import regular_grid_for
 from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
-from cloudckpt.strategies._dcp_dist import create_global_plan
-from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
+from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanColumns
+from cloudckpt.strategies._dcp_dist import global_step_columns, plans_in_columns
+from cloudckpt.strategies._dcp_plan import apply_global_plan_update
 from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
 from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.strategies._zarr_format import ZARRAY, shard_chunk_indices
@@ -246,7 +250,7 @@ def _timed(row: Row, step: str, fn: Callable[[], _T]) -> _T:
     return out
 
 
-def _exchange(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
+def _exchange(row: Row, step: str, name: str, payloads: Iterable[Any]) -> list[Any]:
     """Pickle each rank's payload (its bytes are what it sends), unpickle it (timed, as
     a receiving rank of ``all_gather_object`` does)."""
     out = []
@@ -453,39 +457,50 @@ def _torch_dist_steps(
 ) -> list[Any]:
     strategy = TorchDistSaveShardedStrategy()
     storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
-    writers, planners, local_plans = [], [], []
-    for rank in range(world.size):
-        writer, planner, plan = dcp_local_step(rank, shards_of(rank), storage)
-        writers.append(writer)
-        planners.append(planner)
-        local_plans.append(plan)
-    coordinator, writer = planners[0], writers[0]
+    writer, coordinator, local = dcp_local_step(0, shards_of(0), storage)
+
+    kept: list[Any] = []  # each rank's plan in columns (the rank keeps its plan: memory)
+
+    def sent_plan(rank: int) -> Any:  # what plan_save's send_local_plan sends
+        plan = local if rank == 0 else dcp_local_step(rank, shards_of(rank), storage)[2]
+        kept.append(PlanColumns.of(plan) if plans_in_columns(coordinator, writer) else plan)
+        return kept[-1]
+
+    def local_plan(rank: int) -> SavePlan:  # the rank's plan again (equal items)
+        plan = kept[rank]
+        return plan.to_plan() if isinstance(plan, PlanColumns) else plan
+
     with _paused(pause_gc):  # plan_save's gather, global step and scatter
-        gathered = _exchange(row, "plan", "dcp_plan", local_plans)
-        planned, metadata = _timed(
-            row, "plan", lambda: create_global_plan(coordinator, writer, gathered)
-        )
-        central = _timed(row, "plan", lambda: writer.prepare_global_plan(planned))
-        updates = _timed(row, "plan", lambda: global_plan_updates(coordinator, planned, central))
-        updates = _scatter(row, "plan", "dcp_plans", updates)
+        gathered = _exchange(row, "plan", "dcp_plan", (sent_plan(r) for r in range(world.size)))
+        fast = _timed(row, "plan", lambda: global_step_columns(coordinator, writer, gathered))
+        if fast is None:
+            raise SystemExit("torch_dist: the coordinator's step on columns did not apply")
+        metadata, keys, scattered, chunks = fast
+        gathered.clear()
+        updates = _scatter(row, "plan", "dcp_plans", scattered)
         # every rank expands its own update at once: the coordinator's is timed
-        plans = [
-            _timed(row, "plan", lambda: apply_global_plan_update(local_plans[0], updates[0])),
-            *(
-                apply_global_plan_update(p, u)
-                for p, u in zip(local_plans[1:], updates[1:], strict=True)
-            ),
-        ]
-    item_results = [dcp_item_results(p) for p in plans]
+        expand = functools.partial(apply_global_plan_update, local, updates[0])
+        _timed(row, "plan", expand)
+    paths: list[list[str]] = []
+
+    def sent_results(rank: int) -> Any:  # what PlannedSave.write returns
+        plan = apply_global_plan_update(local_plan(rank), updates[rank])
+        kept[rank] = None
+        results = dcp_item_results(plan)
+        paths.append(sorted({i.storage_data.relative_path for i in results}))
+        return ItemResultColumns.of(plan.items, results) if updates[rank].columns else results
+
     with _paused(pause_gc):  # save_state_dict's gather and finish
-        item_results = _exchange(row, "plan", "dcp_results", item_results)
-        _timed(row, "plan", lambda: writer.finish(metadata, item_results))
-    row.artifacts["dcp_metadata"] = writer.metadata
+        results = _exchange(
+            row, "plan", "dcp_results", (sent_results(r) for r in range(world.size))
+        )
+        _timed(row, "plan", lambda: writer.finish_columns(metadata, keys, results, chunks))
+        results.clear()
+    row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
     records = []
     for rank in range(world.size):
         tensors = [s for s in shards_of(rank) if isinstance(s, ShardedTensor)]
-        results = [r for r in {i.storage_data.relative_path for i in item_results[rank]}]
-        written = [_result(path, 1 << 20) for path in sorted(results)]
+        written = [_result(path, 1 << 20) for path in paths[rank]]
         if rank == 0:
             written.append(_result(".metadata", writer.results[-1].size))
         records.append((written, strategy.tensor_entries(tensors), ["optimizer"]))

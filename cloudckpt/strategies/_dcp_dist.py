@@ -14,6 +14,19 @@ plan (:class:`~cloudckpt.strategies._dcp_plan.GlobalPlanUpdate`: the items' inde
 hints and the writer's storage data) where that is all it changed, instead of the
 whole global plan: a few bytes per item, not growing with the world size.
 
+With cloudckpt's own planner and writer (the common case, :func:`plans_in_columns`)
+the ranks send their local plans in columns (:class:`~cloudckpt.strategies.
+_dcp_columns.PlanColumns`: keys once, ids into the rank's distinct sizes and
+properties) instead of pickled ``WriteItem`` s; the coordinator plans them on arrays
+(:func:`~cloudckpt.strategies._dcp_plan.linear_global_columns`: the same ``Metadata``
+and index hints as DCP's step), keeps every rank's item keys, and asks the ranks for
+their write results in columns (:class:`~cloudckpt.strategies._dcp_columns.
+ItemResultColumns`), from which the writer pickles ``.metadata`` without building the
+per-item objects (:meth:`~cloudckpt.strategies._dcp_storage.CloudStorageWriter.
+finish_columns`). Anything the columns cannot prove (a duplicate, chunks off a grid,
+an item of another shape) goes to the object path and DCP's own step, and a custom
+planner or writer (Megatron-Core's, a subclass overriding a step) always takes it.
+
 A :class:`SavePlanCache` (a strategy's ``cached_metadata=True``, Megatron-Core's
 ``ckpt_assume_constant_structure``) keeps the plans of one save for the next: while
 every rank's local plan is the one it had, the plans are not gathered, planned and
@@ -25,6 +38,7 @@ with a stale plan.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +50,12 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
+from cloudckpt.strategies._dcp_columns import (
+    ChunkColumns,
+    ItemResultColumns,
+    PlanColumns,
+    PlanKeys,
+)
 from cloudckpt.strategies._dcp_plan import (
     GlobalPlanUpdate,
     LinearGlobalPlanMixin,
@@ -95,6 +115,9 @@ class _CachedPlans:
     central: SavePlan
     metadata: Metadata | None
     extra: dict[str, Any] | None
+    columns: bool = False  # this rank sends its write results in columns
+    keys: list[PlanKeys] | None = None  # the coordinator's: every rank's item keys
+    chunks: ChunkColumns | None = None  # the coordinator's: the chunk lists as ids
 
 
 class SavePlanCache:
@@ -135,10 +158,13 @@ class SavePlanCache:
         central: SavePlan,
         metadata: Metadata | None,
         extra: dict[str, Any] | None,
+        columns: bool = False,
+        keys: list[PlanKeys] | None = None,
+        chunks: ChunkColumns | None = None,
     ) -> None:
         """Keep one save's plans for the next."""
         where = (wrapper.get_rank(), wrapper.get_world_size())
-        self._plans = _CachedPlans(where, local, central, metadata, extra)
+        self._plans = _CachedPlans(where, local, central, metadata, extra, columns, keys, chunks)
 
 
 @dataclass
@@ -153,15 +179,27 @@ class PlannedSave:
     planner: SavePlanner
     plan: SavePlan
     metadata: Metadata | None
+    columns: bool = False
+    """This rank sends its write results in columns (the coordinator knows the keys)."""
+    keys: list[PlanKeys] | None = None
+    """The coordinator's: every rank's item keys, for results sent in columns."""
+    chunks: ChunkColumns | None = None
+    """The coordinator's: the metadata's chunk lists as ids (its step on columns)."""
 
-    def write(self) -> list[Any]:
-        """Serialize and upload this rank's items; their DCP write results."""
+    def write(self) -> Any:
+        """Serialize and upload this rank's items; their DCP write results (in columns,
+        :class:`~cloudckpt.strategies._dcp_columns.ItemResultColumns`, where the
+        coordinator asked for them and they say the results exactly)."""
         pending = self.writer.write_data(self.plan, self.planner)
         pending.wait()
         results: list[Any] = pending.value()
+        if self.columns:
+            columns = ItemResultColumns.of(self.plan.items, results)
+            if columns is not None:
+                return columns
         return results
 
-    def finish(self, write: Callable[[], list[Any]] | None = None) -> Metadata:
+    def finish(self, write: Callable[[], Any] | None = None) -> Metadata:
         """Run ``write`` (default :meth:`write`; a function returning the results of an
         earlier write, or raising its error) on every rank, gather the results and let
         the coordinator write ``.metadata``. Collective.
@@ -174,7 +212,10 @@ class PlannedSave:
         def finish_on_coordinator(results: list[Any]) -> Metadata:
             assert self.metadata is not None, "the coordinator planned no metadata"
             with dist.paused_gc():  # every rank's item results, merged at once
-                self.writer.finish(metadata=self.metadata, results=results)
+                if self.keys is not None and isinstance(self.writer, CloudStorageWriter):
+                    self.writer.finish_columns(self.metadata, self.keys, results, self.chunks)
+                else:
+                    self.writer.finish(metadata=self.metadata, results=results)
             return self.metadata
 
         metadata: Metadata = self.wrapper.all_reduce(
@@ -206,6 +247,8 @@ def plan_save(
     global_metadata: Metadata | None = None
     local_plans: list[SavePlan] = []
     states: list[dict[str, Any]] = []
+    keys: list[PlanKeys] | None = None
+    chunks: ChunkColumns | None = None
 
     def local_step() -> SavePlan:
         if not states:
@@ -217,12 +260,30 @@ def plan_save(
         local_plans.append(writer.prepare_local_plan(planner.create_local_plan()))
         return local_plans[-1]
 
-    def global_step(plans: list[SavePlan]) -> list[SavePlan | GlobalPlanUpdate]:
-        nonlocal global_metadata
+    def send_local_plan() -> SavePlan | PlanColumns:
+        plan = local_step()
+        if plans_in_columns(planner, writer):
+            return PlanColumns.of(plan) or plan
+        return plan
+
+    def global_step(sent: list[SavePlan | PlanColumns]) -> list[SavePlan | GlobalPlanUpdate]:
+        nonlocal global_metadata, keys, chunks
         with dist.paused_gc():  # every rank's items, planned at once (see paused_gc)
+            fast = global_step_columns(planner, writer, sent)
+            if fast is not None:
+                global_metadata, keys, scattered, chunks = fast
+                return list(scattered)
+            plans = [p.to_plan() if isinstance(p, PlanColumns) else p for p in sent]
             planned, global_metadata = create_global_plan(planner, writer, plans)
             central = writer.prepare_global_plan(planned)
-            return global_plan_updates(planner, planned, central)
+            updates = global_plan_updates(planner, planned, central)
+            keys = column_keys(planner, writer, planned, updates)
+            if keys is None:
+                return updates
+            return [
+                dataclasses.replace(u, columns=True) if isinstance(u, GlobalPlanUpdate) else u
+                for u in updates
+            ]
 
     cached = _reusable_plans(plan_cache, local_step, wrapper)
     if cached is not None:
@@ -230,9 +291,11 @@ def plan_save(
         global_metadata = copy.copy(cached.metadata)  # the writer's finish sets its fields
         if cached.extra is not None:
             writer.mcore_data = dict(cached.extra)  # type: ignore[attr-defined]
+        columns, keys, chunks = cached.columns, cached.keys, cached.chunks
     else:
-        update = wrapper.reduce_scatter("plan", local_step, global_step)
+        update = wrapper.reduce_scatter("plan", send_local_plan, global_step)
         central = apply_global_plan_update(local_plans[-1], update)
+        columns = isinstance(update, GlobalPlanUpdate) and update.columns
         if plan_cache is not None:
             extra = getattr(writer, "mcore_data", None) if wrapper.is_coordinator else None
             plan_cache.store(
@@ -241,8 +304,12 @@ def plan_save(
                 central,
                 copy.copy(global_metadata),
                 dict(extra) if extra is not None else None,
+                columns,
+                keys,
+                chunks,
             )
-    return PlannedSave(wrapper, writer, planner, planner.finish_plan(central), global_metadata)
+    final = planner.finish_plan(central)
+    return PlannedSave(wrapper, writer, planner, final, global_metadata, columns, keys, chunks)
 
 
 def save_state_dict(
@@ -284,6 +351,80 @@ def keeps_plan_items(writer: StorageWriter) -> bool:
     return isinstance(writer, CloudStorageWriter) and step is CloudStorageWriter.prepare_global_plan
 
 
+def writes_columns(writer: StorageWriter) -> bool:
+    """Whether ``writer`` is cloudckpt's own writer, whose steps the columns of
+    :mod:`~cloudckpt.strategies._dcp_columns` say exactly: not a subclass that
+    overrides how it plans, writes or finishes."""
+    cls = type(writer)
+    return (
+        keeps_plan_items(writer)
+        and cls.write_data is CloudStorageWriter.write_data
+        and cls.finish is CloudStorageWriter.finish
+        and cls.prepare_local_plan is CloudStorageWriter.prepare_local_plan
+    )
+
+
+def plans_in_columns(planner: SavePlanner, writer: StorageWriter) -> bool:
+    """Whether the ranks send their local plans in columns (:class:`~cloudckpt.
+    strategies._dcp_columns.PlanColumns`): the planner's coordinator step is
+    cloudckpt's linear one, not overridden (a custom planner, such as Megatron-Core's,
+    gets its own step on the plans as objects), and the writer is cloudckpt's own."""
+    if not isinstance(planner, LinearGlobalPlanMixin):
+        return False
+    cls = type(planner)
+    return (
+        cls.create_global_plan is LinearGlobalPlanMixin.create_global_plan
+        and cls.create_global_plan_unhinted is LinearGlobalPlanMixin.create_global_plan_unhinted
+        and cls._global_plan is LinearGlobalPlanMixin._global_plan
+        and not planner.flatten_state_dict
+        and not getattr(planner, "_enable_plan_caching", False)
+        and writes_columns(writer)
+    )
+
+
+def global_step_columns(
+    planner: SavePlanner, writer: StorageWriter, sent: list[SavePlan | PlanColumns]
+) -> tuple[Metadata, list[PlanKeys], list[GlobalPlanUpdate], ChunkColumns] | None:
+    """The coordinator's step on plans sent in columns: the global metadata, every
+    rank's item keys and the updates to scatter (results asked in columns); None where
+    a rank sent its plan as objects or the fast path cannot prove the plans (the caller
+    then runs the step on the plans as objects)."""
+    columns = [p for p in sent if isinstance(p, PlanColumns)]
+    if len(columns) != len(sent) or not plans_in_columns(planner, writer):
+        return None
+    assert isinstance(planner, LinearGlobalPlanMixin)
+    fast = planner.create_global_plan_columns(columns)
+    if fast is None:
+        return None
+    stubs = [SavePlan([], c.storage_data, c.planner_data, c.usable) for c in columns]
+    central = writer.prepare_global_plan(stubs)  # cloudckpt's: only storage_data changes
+    updates = [
+        GlobalPlanUpdate(hints, plan.storage_data, plan.planner_data, plan.usable, columns=True)
+        for hints, plan in zip(fast.hints, central, strict=True)
+    ]
+    return fast.metadata, fast.keys, updates, fast.chunks
+
+
+def column_keys(
+    planner: SavePlanner,
+    writer: StorageWriter,
+    planned: list[SavePlan],
+    updates: list[SavePlan | GlobalPlanUpdate],
+) -> list[PlanKeys] | None:
+    """Every rank's item keys where the ranks can send their write results in columns:
+    cloudckpt's linear step planned (every item's key and index hint known), every rank
+    gets a :class:`GlobalPlanUpdate` and the writer is cloudckpt's own
+    (:func:`writes_columns`); None otherwise (DCP's object path)."""
+    hints = getattr(planner, "index_hints", None)
+    if hints is None or len(hints) != len(planned) or not writes_columns(writer):
+        return None
+    if not all(isinstance(u, GlobalPlanUpdate) for u in updates):
+        return None
+    keys = [PlanKeys.of(plan, h) for plan, h in zip(planned, hints, strict=True)]
+    found = [k for k in keys if k is not None]
+    return found if len(found) == len(keys) else None
+
+
 def _reusable_plans(
     cache: SavePlanCache | None, local_step: Any, wrapper: GuardedDistWrapper
 ) -> _CachedPlans | None:
@@ -302,10 +443,14 @@ def _reusable_plans(
 
 __all__ = [
     "GuardedDistWrapper",
+    "column_keys",
+    "global_step_columns",
+    "plans_in_columns",
     "PlannedSave",
     "SavePlanCache",
     "create_global_plan",
     "keeps_plan_items",
     "plan_save",
     "save_state_dict",
+    "writes_columns",
 ]

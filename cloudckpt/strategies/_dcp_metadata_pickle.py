@@ -21,6 +21,7 @@ type, an offset other than ``torch.Size``) make it fall back to ``pickle.dumps``
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import itertools
@@ -39,6 +40,8 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
+
+from cloudckpt.strategies._dcp_columns import ChunkColumns, StorageColumns
 
 PROTOCOL = 4  # pickle.dumps's default protocol here: what the writer wrote before
 _INT32 = (-(1 << 31), (1 << 31) - 1)
@@ -59,6 +62,118 @@ def dumps_metadata(metadata: Metadata) -> bytes:
     columns = _Columns.of(storage)
     if columns is None:
         return pickle.dumps(metadata, protocol=PROTOCOL)
+    return _dump(metadata, storage, columns)
+
+
+def dumps_metadata_columns(
+    metadata: Metadata, storage: StorageColumns, chunks: ChunkColumns | None = None
+) -> bytes:
+    """``metadata`` with the ``storage_data`` that ``storage`` describes, pickled as
+    :func:`dumps_metadata` pickles it, without building the dict's per-item objects
+    (``MetadataIndex``, ``_StorageInfo``): the records are filled from the columns'
+    arrays; so are the tensors' chunk lists from ``chunks`` where ``metadata`` holds
+    those very lists. ``metadata`` itself is left as it was."""
+    if len(storage) < 2 or not _plain_tables(storage):
+        full = copy.copy(metadata)
+        full.storage_data = storage.storage_data()
+        return dumps_metadata(full)
+    placeholder: dict[Any, Any] = {}  # written from the columns; the pickler refers to it
+    kept = metadata.storage_data
+    metadata.storage_data = placeholder
+    try:
+        out = _Stream()
+        out.write(pickle.PROTO + bytes([PROTOCOL]))
+        sizes = _write_storage_columns(out, placeholder, storage)
+        if chunks is None or not _write_chunk_columns(out, metadata, chunks, sizes):
+            _write_chunks(out, metadata, sizes)
+        pickler = pickle.Pickler(out.buffer, protocol=PROTOCOL)
+        pickler.memo = out.memo
+        pickler.dump(metadata)
+        return out.buffer.getvalue()
+    finally:
+        metadata.storage_data = kept
+
+
+def _plain_tables(storage: StorageColumns) -> bool:
+    """Whether the tables hold what the records write (str names and paths, distinct
+    ``torch.Size`` sizes)."""
+    if set(map(type, storage.names)) | set(map(type, storage.paths)) != {str}:
+        return False
+    if storage.sizes and set(map(type, storage.sizes)) != {torch.Size}:
+        return False
+    return len(set(storage.sizes)) == len(storage.sizes)
+
+
+def _write_storage_columns(
+    out: _Stream, storage: dict[Any, Any], cols: StorageColumns
+) -> dict[Any, int]:
+    """:func:`_write_storage` from id columns: the tables memoized once each, then one
+    fixed-width record per plain item (numpy fills each field from the ids' memo
+    indices), the others opcode by opcode; the memo indices of the sizes."""
+    for cls in (MetadataIndex, _StorageInfo, torch.Size, ChunkStorageMetadata):
+        out.memoize(cls, _global)
+    for name in _NAMES.values():
+        out.memoize(name, _string)
+    names = np.array([out.memoize(s, _string) for s in cols.names] or [0], dtype=np.int64)
+    paths = np.array([out.memoize(s, _string) for s in cols.paths] or [0], dtype=np.int64)
+    push = functools.partial(_push_size, out)
+    size_memo = [out.memoize(s, push) for s in cols.sizes]
+    sizes = dict(zip(cols.sizes, size_memo, strict=True))
+    memo_of_size = np.array([*size_memo, 0], dtype=np.int64)  # -1 (None): unused 0
+    out.memoize(storage, lambda _: pickle.EMPTY_DICT)  # then pushed again, filled
+    out.write(out.get(storage) + pickle.MARK)
+    n = len(cols)
+    plain = (cols.offset_ids >= 0) & (cols.hints >= 0)
+    ints = (cols.hints[plain], cols.starts, cols.lengths)
+    wide = any(c.size and (c.min() < _INT32[0] or c.max() > _INT32[1]) for c in ints)
+    rec = _record_array(_record_parts(out, wide), n)
+    rec["fqn"] = names[cols.key_ids]
+    rec["index"] = np.where(plain, cols.hints, 0)
+    rec["offset"] = memo_of_size[cols.offset_ids]
+    rec["path"] = paths[cols.path_ids]
+    rec["start"] = cols.starts
+    rec["length"] = cols.lengths
+    raw: bytes = rec.tobytes()
+    width = rec.dtype.itemsize
+    pieces: list[bytes] = []
+    done = 0
+    memo = (names, paths, memo_of_size)
+    for i in np.flatnonzero(~plain).tolist():
+        pieces.append(raw[done * width : i * width])
+        pieces.append(_column_record(out, cols, i, memo))
+        done = i + 1
+    pieces.append(raw[done * width :])
+    out.write(b"".join(pieces))
+    out.write(pickle.SETITEMS + pickle.POP)
+    return sizes
+
+
+def _column_record(out: _Stream, cols: StorageColumns, i: int, memo: tuple[Any, ...]) -> bytes:
+    """Item ``i``'s key and value opcode by opcode (its offset or index is None)."""
+    names, paths, sizes = memo
+    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
+    end = pickle.SETITEMS + pickle.BUILD
+    offset, hint = int(cols.offset_ids[i]), int(cols.hints[i])
+    key = (
+        out.get(MetadataIndex) + new,
+        out.get(_NAMES["fqn"]) + _get(int(names[cols.key_ids[i]])),
+        out.get(_NAMES["index"]) + (pickle.NONE if hint < 0 else _int(hint)),
+        b"" if offset < 0 else out.get(_NAMES["offset"]) + _get(int(sizes[offset])),
+        end,
+    )
+    value = (
+        out.get(_StorageInfo) + new,
+        out.get(_NAMES["relative_path"]) + _get(int(paths[cols.path_ids[i]])),
+        out.get(_NAMES["offset"]) + _int(int(cols.starts[i])),
+        out.get(_NAMES["length"]) + _int(int(cols.lengths[i])),
+        end,
+    )
+    return b"".join(key) + b"".join(value)
+
+
+def _dump(metadata: Metadata, storage: dict[Any, Any], columns: _Columns) -> bytes:
+    """``metadata`` pickled, its ``storage_data`` (``storage``) written from
+    ``columns`` as fixed-width records."""
     out = _Stream()
     out.write(pickle.PROTO + bytes([PROTOCOL]))
     sizes = _write_storage(out, storage, columns)
@@ -76,7 +191,7 @@ class _Columns:
     records)."""
 
     def __init__(
-        self, columns: dict[str, list[Any]], key_dicts: Sequence[Mapping[str, Any]]
+        self, columns: dict[str, list[Any]], key_dicts: Sequence[Mapping[str, Any]] | None
     ) -> None:
         self.fqn = columns["fqn"]
         self.index = columns["index"]
@@ -101,6 +216,13 @@ class _Columns:
         """Whether item ``i`` is plain."""
         return self.all_plain or self.plain[i]
 
+    def key_has_offset(self, i: int) -> bool:
+        """Whether item ``i``'s key has an offset in its instance dict (the
+        ``MetadataIndex`` constructor sets none for an offset of None)."""
+        if self.key_dicts is None:
+            return self.offset[i] is not None
+        return "offset" in self.key_dicts[i]
+
     @classmethod
     def of(cls, storage: dict[Any, Any]) -> _Columns | None:
         """The columns of ``storage``, or None where an item has another shape."""
@@ -123,15 +245,19 @@ class _Columns:
             "start": list(map(operator.itemgetter("offset"), info_dicts)),
             "length": list(map(operator.itemgetter("length"), info_dicts)),
         }
-        if set(map(type, columns["fqn"])) | set(map(type, columns["relative_path"])) != {str}:
-            return None
-        if set(map(type, columns["start"])) | set(map(type, columns["length"])) != {int}:
-            return None
-        if not set(map(type, columns["offset"])) <= {torch.Size, type(None)}:
-            return None
-        if not set(map(type, columns["index"])) <= {int, type(None)}:
-            return None
-        return cls(columns, key_dicts)
+        return cls(columns, key_dicts) if _plain_types(columns) else None
+
+
+def _plain_types(columns: dict[str, list[Any]]) -> bool:
+    """Whether the columns hold the types the records write (str keys and paths, int
+    offsets and lengths, ``torch.Size`` or None offsets, int or None indices)."""
+    if set(map(type, columns["fqn"])) | set(map(type, columns["relative_path"])) != {str}:
+        return False
+    if set(map(type, columns["start"])) | set(map(type, columns["length"])) != {int}:
+        return False
+    if not set(map(type, columns["offset"])) <= {torch.Size, type(None)}:
+        return False
+    return set(map(type, columns["index"])) <= {int, type(None)}
 
 
 class _Stream:
@@ -268,6 +394,61 @@ def _write_chunks(out: _Stream, metadata: Metadata, sizes: dict[Any, int]) -> No
     out.write(b"".join(pieces))
 
 
+_LONG_GET = pickle.LONG_BINGET
+
+
+def _write_chunk_columns(
+    out: _Stream, metadata: Metadata, chunks: ChunkColumns, sizes: dict[Any, int]
+) -> bool:
+    """:func:`_write_chunks` from ids: each tensor's chunk list, where ``metadata``
+    holds the very list ``chunks`` names for it (of the length the ids say), written as
+    records filled with numpy; False (nothing written) where it does not."""
+    md = metadata.state_dict_metadata
+    if type(md) is not dict or len(chunks.lists) != len(chunks.names):
+        return False
+    for name, chunk_list in zip(chunks.names, chunks.lists, strict=True):
+        value = md.get(name)
+        if type(value) is not TensorStorageMetadata or value.chunks is not chunk_list:
+            return False
+        if type(chunk_list) is not list:
+            return False
+    lengths = [len(chunk_list) for chunk_list in chunks.lists]
+    if sum(lengths) != len(chunks.offset_ids) or len(set(map(id, chunks.lists))) != len(lengths):
+        return False
+    if set(map(type, chunks.sizes)) - {torch.Size}:
+        return False
+    push = functools.partial(_push_size, out)
+    memo = [sizes[s] if s in sizes else out.memoize(s, push) for s in chunks.sizes]
+    for size, index in zip(chunks.sizes, memo, strict=True):
+        sizes.setdefault(size, index)
+    memo_of = np.array([*memo, 0], dtype=np.int64)
+    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
+    parts: list[tuple[str, bytes | str]] = [
+        (
+            "c0",
+            out.get(ChunkStorageMetadata) + new + out.get(_NAMES["offsets"]) + pickle.LONG_BINGET,
+        ),
+        ("offsets", "<u4"),
+        ("c1", out.get(_NAMES["sizes"]) + pickle.LONG_BINGET),
+        ("sizes", "<u4"),
+        ("c2", pickle.SETITEMS + pickle.BUILD),
+    ]
+    rec = _record_array(parts, len(chunks.offset_ids))
+    rec["offsets"] = memo_of[chunks.offset_ids]
+    rec["sizes"] = memo_of[chunks.size_ids]
+    raw, width = rec.tobytes(), rec.dtype.itemsize
+    pieces = []
+    done = 0
+    for chunk_list, count in zip(chunks.lists, lengths, strict=True):
+        pieces.append(pickle.EMPTY_LIST + pickle.MEMOIZE + pickle.MARK)
+        pieces.append(raw[done * width : (done + count) * width])
+        pieces.append(pickle.APPENDS + pickle.POP)
+        out.memo[id(chunk_list)] = (len(out.memo), chunk_list)
+        done += count
+    out.write(b"".join(pieces))
+    return True
+
+
 def _record_array(parts: list[tuple[str, bytes | str]], n: int) -> Any:
     """``n`` fixed-width records of ``parts``: (name, constant bytes or numpy type)."""
     dtype = np.dtype(
@@ -298,26 +479,7 @@ def _records(
         offsets = [o if p else None for o, p in zip(offsets, cols.plain, strict=True)]
     ints = (index, cols.start, cols.length)
     wide = any(min(c, default=0) < _INT32[0] or max(c, default=0) > _INT32[1] for c in ints)
-    int_op, int_type = (pickle.LONG1 + b"\x08", "<i8") if wide else (pickle.BININT, "<i4")
-    key_cls, info_cls = out.get(MetadataIndex), out.get(_StorageInfo)
-    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
-    end = pickle.SETITEMS + pickle.BUILD
-    parts: list[tuple[str, bytes | str]] = [
-        ("c0", key_cls + new + out.get(names["fqn"]) + pickle.LONG_BINGET),
-        ("fqn", "<u4"),
-        ("c1", out.get(names["index"]) + int_op),
-        ("index", int_type),
-        ("c2", out.get(names["offset"]) + pickle.LONG_BINGET),
-        ("offset", "<u4"),
-        ("c3", end + info_cls + new + out.get(names["relative_path"]) + pickle.LONG_BINGET),
-        ("path", "<u4"),
-        ("c4", out.get(names["offset"]) + int_op),
-        ("start", int_type),
-        ("c5", out.get(names["length"]) + int_op),
-        ("length", int_type),
-        ("c6", end),
-    ]
-    rec = _record_array(parts, n)
+    rec = _record_array(_record_parts(out, wide, names), n)
     dtype = rec.dtype
     rec["fqn"] = list(map(fqns.__getitem__, cols.fqn))
     rec["path"] = list(map(paths.__getitem__, cols.path))
@@ -342,6 +504,32 @@ def _records(
     return b"".join(pieces)
 
 
+def _record_parts(
+    out: _Stream, wide: bool, names: dict[str, str] | None = None
+) -> list[tuple[str, bytes | str]]:
+    """The fields of a plain item's record: (name, constant opcodes or numpy type)."""
+    names = names or _NAMES
+    int_op, int_type = (pickle.LONG1 + b"\x08", "<i8") if wide else (pickle.BININT, "<i4")
+    key_cls, info_cls = out.get(MetadataIndex), out.get(_StorageInfo)
+    new = pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK
+    end = pickle.SETITEMS + pickle.BUILD
+    return [
+        ("c0", key_cls + new + out.get(names["fqn"]) + pickle.LONG_BINGET),
+        ("fqn", "<u4"),
+        ("c1", out.get(names["index"]) + int_op),
+        ("index", int_type),
+        ("c2", out.get(names["offset"]) + pickle.LONG_BINGET),
+        ("offset", "<u4"),
+        ("c3", end + info_cls + new + out.get(names["relative_path"]) + pickle.LONG_BINGET),
+        ("path", "<u4"),
+        ("c4", out.get(names["offset"]) + int_op),
+        ("start", int_type),
+        ("c5", out.get(names["length"]) + int_op),
+        ("length", int_type),
+        ("c6", end),
+    ]
+
+
 def _offset(offset: torch.Size | None, sizes: dict[torch.Size, int]) -> bytes:
     return pickle.NONE if offset is None else _get(sizes[offset])
 
@@ -362,9 +550,7 @@ def _record(
         out.get(MetadataIndex) + new,
         out.get(names["fqn"]) + _get(fqns[cols.fqn[i]]),
         out.get(names["index"]) + (pickle.NONE if index is None else _int(index)),
-        b""
-        if "offset" not in cols.key_dicts[i]
-        else out.get(names["offset"]) + _offset(offset, sizes),
+        b"" if not cols.key_has_offset(i) else out.get(names["offset"]) + _offset(offset, sizes),
         end,
     )
     value = (
@@ -377,4 +563,4 @@ def _record(
     return b"".join(key) + b"".join(value)
 
 
-__all__ = ["dumps_metadata"]
+__all__ = ["dumps_metadata", "dumps_metadata_columns"]

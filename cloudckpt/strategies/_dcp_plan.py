@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from cloudckpt.strategies._dcp_columns import ChunkColumns, PlanColumns, PlanKeys
+
 _STORAGE = BytesStorageMetadata | TensorStorageMetadata
 #: copying the instance dicts (item, index) is exact only for dataclasses with one
 _FAST_COPY = not hasattr(WriteItem, "__slots__") and not hasattr(MetadataIndex, "__slots__")
@@ -192,16 +194,22 @@ class _Columns:
         except (OverflowError, TypeError, ValueError):
             return False
         tids = np.frombuffer(self.tids, dtype=np.int64)
-        if off.size and (off.min() < 0 or sz.min() < 0 or max(off.max(), sz.max()) > _MAX_EXTENT):
-            return False
-        if ext.size and ext.max() > _MAX_EXTENT:
-            return False
-        if (off + sz > ext[tids]).any():
-            return False
-        count = np.bincount(tids, minlength=len(ext))
-        if check_fill and not _fills(tids, sz, ext):
-            return False
-        return _on_grid_columns(tids, off, sz, ext, count)
+        return _valid_arrays(off, sz, ext, tids, check_fill)
+
+
+def _valid_arrays(off: Any, sz: Any, ext: Any, tids: Any, check_fill: bool) -> bool:
+    """:meth:`_Columns.valid` on arrays: each chunk's offsets and sizes (rows), each
+    tensor's size (rows), each chunk's tensor (a row of ``ext``)."""
+    if off.size and (off.min() < 0 or sz.min() < 0 or max(off.max(), sz.max()) > _MAX_EXTENT):
+        return False
+    if ext.size and ext.max() > _MAX_EXTENT:
+        return False
+    if (off + sz > ext[tids]).any():
+        return False
+    count = np.bincount(tids, minlength=len(ext))
+    if check_fill and not _fills(tids, sz, ext):
+        return False
+    return _on_grid_columns(tids, off, sz, ext, count)
 
 
 def _fills(tids: Any, sz: Any, ext: Any) -> bool:
@@ -231,7 +239,7 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
         if radix * len(ext) > _MAX_KEY:
             return False
         starts = tids * radix + off[:, dim]
-        bounds = np.unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
+        bounds = _sorted_unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
         pos = np.searchsorted(bounds, starts)
         following = np.append(bounds, -1)[pos + 1]
         if not (following == starts + sz[:, dim]).all():
@@ -240,10 +248,190 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
         if cells > _MAX_KEY:
             return False
         cell = cell * len(bounds) + pos
-    return len(np.unique(cell)) == len(cell)
+    cell.sort()
+    return bool((cell[1:] != cell[:-1]).all())
+
+
+def _sorted_unique(values: Any) -> Any:
+    """``np.unique`` of an int array by sorting (numpy's hashed unique slows down
+    badly on these keys: tensor id times a radix plus an offset)."""
+    values = np.sort(values)
+    if len(values) < 2:
+        return values
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
 
 
 _MAX_KEY = 1 << 62
+
+
+@dataclass(frozen=True)
+class ColumnsGlobalPlan:
+    """:func:`linear_global_columns`' result: DCP's global ``Metadata``, per rank the
+    index hint of each item (-1: kept) and its items' keys (for results in columns)."""
+
+    metadata: Metadata
+    hints: list[array.array[int]]
+    keys: list[PlanKeys]
+    chunks: ChunkColumns
+
+
+_BYTE_IO = WriteItemType.BYTE_IO.value
+_SHARD = WriteItemType.SHARD.value
+
+
+def linear_global_columns(plans: Sequence[PlanColumns]) -> ColumnsGlobalPlan | None:
+    """:func:`linear_global_save_plan` on plans sent in columns (:class:`~cloudckpt.
+    strategies._dcp_columns.PlanColumns`): the same ``Metadata`` and index hints, the
+    checks run on arrays (a Python step per item only to look up its key), or None
+    where the fast path cannot prove them (the caller then runs DCP's step on
+    :meth:`PlanColumns.to_plan`)."""
+    if not all(plan.usable for plan in plans):
+        return None
+    table = _KeyTable()
+    parts = []
+    for plan in plans:
+        part = table.add(plan)
+        if part is None:
+            return None
+        parts.append(part)
+    return table.finish(plans, parts, check_fill=len(plans) > 1)
+
+
+class _KeyTable:
+    """The coordinator's tables for :func:`linear_global_columns`: the metadata by key,
+    each key's id and tensor, each tensor's size, the distinct sizes of every rank."""
+
+    def __init__(self) -> None:
+        self.md: dict[str, _STORAGE] = {}
+        self.ids: dict[str, int] = {}  # a key's id: its position in names
+        self.names: list[str] = []
+        self.key_tensor: list[int] = []  # per key, its tensor's id; -2: a bytes key
+        self._key_tensor = np.zeros(0, dtype=np.int64)  # key_tensor, as far as converted
+        self.values: list[TensorStorageMetadata] = []
+        self.tensor_names: list[str] = []
+        self.extents: list[torch.Size] = []
+        self.sizes: dict[torch.Size, int] = {}
+
+    def add(self, plan: PlanColumns) -> tuple[Any, ...] | None:
+        """Register one rank's items: per item its key's id; per tensor item (a mask
+        over the items) its tensor's id and the global ids of its chunk's offsets and
+        sizes."""
+        fqns, ids = plan.fqns, self.ids
+        kids = [ids.get(f, -1) for f in fqns]
+        first = np.zeros(len(fqns), dtype=bool)
+        for i in [i for i, k in enumerate(kids) if k == -1]:
+            fqn = fqns[i]
+            known = ids.get(fqn)
+            if known is not None:  # a second chunk of a tensor new on this rank
+                kids[i] = known
+                continue
+            first[i] = True
+            kids[i] = ids[fqn] = len(self.names)
+            self.names.append(fqn)
+            if plan.types[i] == _BYTE_IO:
+                self.md[fqn] = BytesStorageMetadata()
+                self.key_tensor.append(-2)
+                continue
+            extent = plan.sizes[plan.extent_ids[i]]
+            value = TensorStorageMetadata(plan.properties[plan.property_ids[i]], extent, [])
+            self.md[fqn] = value
+            self.key_tensor.append(len(self.values))
+            self.values.append(value)
+            self.tensor_names.append(fqn)
+            self.extents.append(extent)
+        if len(self._key_tensor) < len(self.key_tensor):
+            added = np.array(self.key_tensor[len(self._key_tensor) :], dtype=np.int64)
+            self._key_tensor = np.concatenate([self._key_tensor, added])
+        kinds = np.frombuffer(plan.types, dtype=np.uint8)
+        kid = np.array(kids, dtype=np.int64)
+        tid = self._key_tensor[kid]
+        byte = kinds == _BYTE_IO
+        if (byte & ~first).any() or (~byte & (tid < 0)).any():
+            return None  # a duplicate or a clash of keys: DCP decides
+        if (~byte & ~first & (kinds != _SHARD)).any():
+            return None
+        to_global = np.array(
+            [self.sizes.setdefault(v, len(self.sizes)) for v in plan.sizes], dtype=np.int64
+        )
+        tensor = ~byte
+        offsets = np.frombuffer(plan.offset_ids, dtype=np.int64)[tensor]
+        sizes = np.frombuffer(plan.size_ids, dtype=np.int64)[tensor]
+        return tensor, tid[tensor], to_global[offsets], to_global[sizes], kid
+
+    def finish(
+        self, plans: Sequence[PlanColumns], parts: list[Any], check_fill: bool
+    ) -> ColumnsGlobalPlan | None:
+        """Check every tensor's chunks at once; the metadata, hints and keys."""
+        empty = np.zeros(0, dtype=np.int64)
+        tid = np.concatenate([p[1] for p in parts] or [empty])
+        off = np.concatenate([p[2] for p in parts] or [empty])
+        sz = np.concatenate([p[3] for p in parts] or [empty])
+        pool = list(self.sizes)
+        matrix = _size_matrix(pool)
+        extents = _size_matrix(self.extents)
+        if matrix is None or extents is None:
+            return None
+        (pool_ndim, pool_rows), (ndim, ext_rows) = matrix, extents
+        if not ((pool_ndim[off] == ndim[tid]).all() and (pool_ndim[sz] == ndim[tid]).all()):
+            return None  # a chunk whose rank differs from its tensor's: DCP decides
+        for d in np.unique(ndim).tolist():
+            if d == 0:
+                continue
+            of_d = np.flatnonzero(ndim == d)
+            local = np.full(len(ndim), -1, dtype=np.int64)
+            local[of_d] = np.arange(len(of_d))
+            mask = ndim[tid] == d
+            rows = (pool_rows[off[mask], :d], pool_rows[sz[mask], :d], ext_rows[of_d, :d])
+            if not _valid_arrays(*rows, local[tid[mask]], check_fill):
+                return None
+        order = np.argsort(tid, kind="stable")
+        ordered = tid[order]
+        starts = np.searchsorted(ordered, np.arange(len(self.values) + 1))
+        hint_all = np.empty(len(tid), dtype=np.int64)
+        hint_all[order] = np.arange(len(tid)) - starts[ordered]
+        off, sz = off[order], sz[order]
+        chunks = [
+            ChunkStorageMetadata(pool[o], pool[s])
+            for o, s in zip(off.tolist(), sz.tolist(), strict=True)
+        ]
+        bounds = starts.tolist()
+        for t, value in enumerate(self.values):
+            value.chunks = chunks[bounds[t] : bounds[t + 1]]
+        lists = [value.chunks for value in self.values]
+        columns = ChunkColumns(self.tensor_names, lists, pool, off, sz)
+        return self._per_rank(plans, parts, hint_all, columns)
+
+    def _per_rank(
+        self, plans: Sequence[PlanColumns], parts: list[Any], hint_all: Any, chunks: ChunkColumns
+    ) -> ColumnsGlobalPlan:
+        pool = chunks.sizes
+        hints, keys = [], []
+        done = 0
+        for plan, (tensor, _, off, _, kid) in zip(plans, parts, strict=True):
+            rank = np.full(len(plan), -1, dtype=np.int64)
+            offsets = np.full(len(plan), -1, dtype=np.int64)
+            count = len(off)
+            rank[tensor] = hint_all[done : done + count]
+            offsets[tensor] = off
+            done += count
+            hints.append(array.array("q", rank.tobytes()))
+            keys.append(PlanKeys(self.names, pool, kid, offsets, rank))
+        return ColumnsGlobalPlan(Metadata(self.md), hints, keys, chunks)
+
+
+def _size_matrix(sizes: Sequence[torch.Size]) -> tuple[Any, Any] | None:
+    """The ranks (dimensions) of ``sizes`` and their values as rows (zero-padded);
+    None where a value does not fit int64."""
+    ndim = np.array([len(s) for s in sizes], dtype=np.int64)
+    width = int(ndim.max(initial=0))
+    try:
+        rows = np.array([(*s, *([0] * (width - len(s)))) for s in sizes], dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return ndim, rows.reshape(len(sizes), width)
 
 
 def share_equal_sizes(plan: SavePlan) -> SavePlan:
@@ -302,6 +490,22 @@ class LinearGlobalPlanMixin(DefaultSavePlanner):
         each rank. DCP's own step (where the fast path does not apply) sets them."""
         return self._global_plan(all_plans, hinted=False)
 
+    def create_global_plan_columns(
+        self, all_plans: Sequence[PlanColumns]
+    ) -> ColumnsGlobalPlan | None:
+        """:meth:`create_global_plan_unhinted`'s fast path on plans sent in columns
+        (:func:`linear_global_columns`); None where it does not apply (the caller runs
+        :meth:`create_global_plan_unhinted` on the plans as objects)."""
+        self.index_hints = None
+        self.items_hinted = True
+        if self.flatten_state_dict or getattr(self, "_enable_plan_caching", False):
+            return None
+        fast = linear_global_columns(all_plans)
+        if fast is None:
+            return None
+        self.metadata, self.index_hints, self.items_hinted = fast.metadata, fast.hints, False
+        return fast
+
     def _global_plan(
         self, all_plans: list[SavePlan], hinted: bool
     ) -> tuple[list[SavePlan], Metadata]:
@@ -326,12 +530,20 @@ class GlobalPlanUpdate:
 
     Attributes:
         hints: per item of the local plan, its index hint; -1 keeps the item as it is.
+        columns: the coordinator knows every item's key from the plans: the rank sends
+            its write results in columns (:mod:`~cloudckpt.strategies._dcp_columns`).
     """
 
     hints: array.array[int]
     storage_data: Any
     planner_data: Any
     usable: bool
+    columns: bool = False
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its fields' values (no field names: sent to every rank)."""
+        fields = (self.hints, self.storage_data, self.planner_data, self.usable)
+        return type(self), (*fields, self.columns) if self.columns else fields
 
 
 def global_plan_updates(
@@ -382,10 +594,12 @@ def apply_global_plan_update(local: SavePlan, update: SavePlan | GlobalPlanUpdat
 
 
 __all__ = [
+    "ColumnsGlobalPlan",
     "GlobalPlanUpdate",
     "LinearGlobalPlanMixin",
     "apply_global_plan_update",
     "global_plan_updates",
+    "linear_global_columns",
     "linear_global_save_plan",
     "share_equal_sizes",
 ]

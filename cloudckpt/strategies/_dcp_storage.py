@@ -35,7 +35,7 @@ import hashlib
 import io
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future as TaskFuture
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -67,7 +67,15 @@ from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
 from cloudckpt.storage.buffers import Progress
-from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata
+from cloudckpt.strategies._dcp_columns import (
+    ChunkColumns,
+    ItemResultColumns,
+    PlanKeys,
+    StorageColumns,
+    as_write_results,
+    join_columns,
+)
+from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata, dumps_metadata_columns
 from cloudckpt.strategies._dcp_objects import (
     BufferedObject,
     DcpObject,
@@ -127,6 +135,7 @@ class CloudStorageWriter(StorageWriter):
         self.part = part
         self.write_metadata = write_metadata
         self.metadata: Metadata | None = None
+        self.storage_columns: StorageColumns | None = None
         self.storage = storage
         self.object_size = object_size
         self.batch_bytes = batch_bytes
@@ -319,6 +328,50 @@ class CloudStorageWriter(StorageWriter):
         self.metadata = metadata
         if self.write_metadata:
             self.results.append(self.storage.write(METADATA_FNAME, dumps_metadata(metadata)))
+
+    def finish_columns(
+        self,
+        metadata: Metadata,
+        keys: Sequence[PlanKeys],
+        results: Sequence[ItemResultColumns | list[DcpWriteResult]],
+        chunks: ChunkColumns | None = None,
+    ) -> None:
+        """:meth:`finish` for results sent in columns (:mod:`~cloudckpt.strategies.
+        _dcp_columns`), ``keys`` naming each rank's items: ``.metadata`` is written from
+        the columns (:func:`~cloudckpt.strategies._dcp_metadata_pickle.
+        dumps_metadata_columns`), the same ``Metadata`` when unpickled, without the
+        per-item objects; with ``chunks`` (the coordinator's step on columns) the
+        metadata's chunk lists too. :attr:`metadata` then holds the global metadata without
+        ``storage_data`` (None), :attr:`storage_columns` its columns. Where a rank sent
+        objects, or no ``.metadata`` is written (``write_metadata=False``: the
+        ``Metadata`` is kept whole), this is :meth:`finish`."""
+        columns = [r for r in results if isinstance(r, ItemResultColumns)]
+        if not self.write_metadata or len(columns) != len(results):
+            objects = [as_write_results(k, r) for k, r in zip(keys, results, strict=True)]
+            self.finish(metadata, objects)
+            return
+        extra = {**(getattr(metadata, "mcore_data", None) or {}), **self.mcore_data}
+        if type(metadata) is not Metadata:
+            metadata = Metadata(**{f.name: getattr(metadata, f.name) for f in fields(Metadata)})
+        metadata.version = DCP_VERSION
+        sizes = {} if chunks is not None else _share_sizes(metadata)  # else: one pool
+        shared = {key: key for key in metadata.state_dict_metadata}
+        joined = join_columns(keys, columns, shared, sizes)
+        if joined is None:
+            raise CheckpointingException(
+                f"checkpoint {self.storage.uri!r}: the item results do not match the plans"
+            )
+        storage, tables = joined
+        for key, table in tables.items():
+            extra[key] = {**extra.get(key, {}), TENSOR_DATA_KEY: table}
+        metadata.storage_meta = self.storage_meta()
+        metadata.storage_data = None
+        if extra:
+            metadata.mcore_data = extra  # type: ignore[attr-defined]
+        self.metadata = metadata
+        self.storage_columns = storage
+        raw = dumps_metadata_columns(metadata, storage, chunks)
+        self.results.append(self.storage.write(METADATA_FNAME, raw))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
@@ -541,6 +594,7 @@ class CloudStorageReader(StorageReader):
         super().__init__()
         self.storage = storage
         self.metadata: Metadata | None = None
+        self.storage_columns: StorageColumns | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.metadata = None
