@@ -209,19 +209,21 @@ class PlannedSave:
                 ``.metadata``, failed; raised on every rank.
         """
 
-        def finish_on_coordinator(results: list[Any]) -> Metadata:
-            assert self.metadata is not None, "the coordinator planned no metadata"
-            with dist.paused_gc():  # every rank's item results, merged at once
-                if self.keys is not None and isinstance(self.writer, CloudStorageWriter):
-                    self.writer.finish_columns(self.metadata, self.keys, results, self.chunks)
-                else:
-                    self.writer.finish(metadata=self.metadata, results=results)
-            return self.metadata
-
         metadata: Metadata = self.wrapper.all_reduce(
-            "write", write or self.write, finish_on_coordinator
+            "write", write or self.write, self.write_metadata
         )
         return metadata
+
+    def write_metadata(self, results: list[Any]) -> Metadata:
+        """The coordinator's: ``.metadata`` from every rank's :meth:`write` results, by
+        rank (in columns where they came in columns)."""
+        assert self.metadata is not None, "the coordinator planned no metadata"
+        with dist.paused_gc():  # every rank's item results, merged at once
+            if self.keys is not None and isinstance(self.writer, CloudStorageWriter):
+                self.writer.finish_columns(self.metadata, self.keys, results, self.chunks)
+            else:
+                self.writer.finish(metadata=self.metadata, results=results)
+        return self.metadata
 
 
 def plan_save(

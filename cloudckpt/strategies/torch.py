@@ -465,11 +465,10 @@ class DeferredDcpFinish:
     def finish_on_coordinator(self, payloads: list[Any]) -> list[WriteResult]:
         """Write ``.metadata`` from every rank's :attr:`payload` (by rank; the
         coordinator only); its write result."""
-        assert self._planned.metadata is not None, "the coordinator planned no metadata"
         written = len(self._writer.results)
         with warnings.catch_warnings(), quiet_dcp_debug():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-            self._writer.finish(metadata=self._planned.metadata, results=payloads)
+            self._planned.write_metadata(payloads)  # results in columns where they are
         return list(self._writer.results[written:])
 
 
