@@ -221,21 +221,9 @@ class SaveSession:
             storage = open_storage(uri, sharded_strategy, storage_options, config)
             if dist.get_rank() == COORDINATOR:
                 require_empty(storage)
-        backends = CheckpointingConfig(
-            sharded_strategy.backend,
-            sharded_strategy.version,
-            common_strategy.backend,
-            common_strategy.version,
-        )
-        return cls(
-            uri,
-            storage,
-            bind_sharded_saver(sharded_strategy, uri),
-            bind_common_saver(common_strategy, uri),
-            backends,
-            sharded_strategy.can_handle_sharded_objects,
-            config,
-        )
+        sharded = bind_sharded_saver(sharded_strategy, uri)
+        common = bind_common_saver(common_strategy, uri)
+        return cls._of(uri, storage, sharded, common, sharded_strategy, common_strategy, config)
 
     @classmethod
     def open_unagreed(
@@ -260,6 +248,20 @@ class SaveSession:
                 require_empty(storage)
         except Exception as exc:  # noqa: BLE001 - every rank learns of it in the save
             return UnopenedSave(uri, sharded, common, exc)
+        return cls._of(uri, storage, sharded, common, sharded_strategy, common_strategy, config)
+
+    @classmethod
+    def _of(
+        cls,
+        uri: str,
+        storage: CheckpointStorage,
+        sharded: ShardedSaver,
+        common: CommonSaver,
+        sharded_strategy: SaveShardedStrategy,
+        common_strategy: SaveCommonStrategy,
+        config: CheckpointConfig | None,
+    ) -> SaveSession:
+        """The session of an opened ``storage`` (the backends from the strategies)."""
         backends = CheckpointingConfig(
             sharded_strategy.backend,
             sharded_strategy.version,

@@ -316,13 +316,7 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
             This rank's write results (on the coordinator, ``.metadata`` included).
         """
         state, extra = to_dcp_state_dict(sharded_state_dict)
-        writer = CloudStorageWriter(
-            storage,
-            self._object_size(config),
-            self._batch_bytes(config),
-            extra,
-            separation_hint=self.separation_hint,
-        )
+        writer = self._writer(storage, config, extra)
         try:
             dcp_save(state, writer, self.plan_cache if self.use_cached_ckpt_structure else None)
         except CheckpointingException:
@@ -332,6 +326,17 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
                 f"saving the torch_dist part of checkpoint {storage.uri!r} failed: {exc}"
             ) from exc
         return writer.results
+
+    def _writer(
+        self, storage: CheckpointStorage, config: CheckpointConfig | None, extra: Any
+    ) -> CloudStorageWriter:
+        return CloudStorageWriter(
+            storage,
+            self._object_size(config),
+            self._batch_bytes(config),
+            extra,
+            separation_hint=self.separation_hint,
+        )
 
     @property
     def finish_deferrable(self) -> bool:
@@ -353,13 +358,7 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         needed: the session's agreement on the writes and the commit's verdict carry
         them). Returns this rank's write results (``.metadata``'s comes from the finish)."""
         state, extra = to_dcp_state_dict(sharded_state_dict)
-        writer = CloudStorageWriter(
-            storage,
-            self._object_size(config),
-            self._batch_bytes(config),
-            extra,
-            separation_hint=self.separation_hint,
-        )
+        writer = self._writer(storage, config, extra)
         planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         cache = self.plan_cache if self.use_cached_ckpt_structure else None
         with warnings.catch_warnings(), quiet_dcp_debug():
