@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from cloudckpt.array_utils import sorted_unique
 from cloudckpt.strategies._dcp_columns import ChunkColumns, PlanColumns, PlanKeys
 
 _STORAGE = BytesStorageMetadata | TensorStorageMetadata
@@ -239,7 +240,7 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
         if radix * len(ext) > _MAX_KEY:
             return False
         starts = tids * radix + off[:, dim]
-        bounds = _sorted_unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
+        bounds = sorted_unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
         pos = np.searchsorted(bounds, starts)
         following = np.append(bounds, -1)[pos + 1]
         if not (following == starts + sz[:, dim]).all():
@@ -250,18 +251,6 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
         cell = cell * len(bounds) + pos
     cell.sort()
     return bool((cell[1:] != cell[:-1]).all())
-
-
-def _sorted_unique(values: Any) -> Any:
-    """``np.unique`` of an int array by sorting (numpy's hashed unique slows down
-    badly on these keys: tensor id times a radix plus an offset)."""
-    values = np.sort(values)
-    if len(values) < 2:
-        return values
-    keep = np.empty(len(values), dtype=bool)
-    keep[0] = True
-    np.not_equal(values[1:], values[:-1], out=keep[1:])
-    return values[keep]
 
 
 _MAX_KEY = 1 << 62
@@ -377,7 +366,7 @@ class _KeyTable:
         (pool_ndim, pool_rows), (ndim, ext_rows) = matrix, extents
         if not ((pool_ndim[off] == ndim[tid]).all() and (pool_ndim[sz] == ndim[tid]).all()):
             return None  # a chunk whose rank differs from its tensor's: DCP decides
-        for d in np.unique(ndim).tolist():
+        for d in sorted_unique(ndim).tolist():
             if d == 0:
                 continue
             of_d = np.flatnonzero(ndim == d)
