@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cloudckpt.array_utils import sorted_unique, unique_rows
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.keys import KeyLayout, KeySet, gather_keys, key_set, validate_key_set
 from cloudckpt.mapping import ShardedBase
@@ -184,7 +185,7 @@ class Gathered:
         rows = np.flatnonzero(group.kinds == OBJECT)
         cells = group.dynamic[:, 0, rows].astype(np.int64)  # [ranks, object rows]
         pairs = np.stack([np.broadcast_to(rows, cells.shape), cells], -1).reshape(-1, 2)
-        distinct, inverse = np.unique(pairs, axis=0, return_inverse=True)
+        distinct, inverse = unique_rows(pairs)
         inverse = inverse.reshape(cells.shape)
         names: list[str] = []
         statics = group.part.columns.tolist()
@@ -210,7 +211,7 @@ class Gathered:
         tensors: set[str] = set()
         objects: set[str] = set()
         for group in self.groups:
-            tensor_ids = np.unique(group.gids[group.kinds == TENSOR]).tolist()
+            tensor_ids = sorted_unique(group.gids[group.kinds == TENSOR]).tolist()
             tensors.update(self.names[i] for i in tensor_ids)
             objects.update(self._unique_keys(group)[1])  # every one held by some rank
         return key_set(dict.fromkeys(tensors, (0,)), dict.fromkeys(objects, (0,)))
@@ -220,7 +221,7 @@ class Gathered:
         tensors: dict[str, set[int]] = defaultdict(set)
         objects: dict[str, set[int]] = defaultdict(set)
         for group in self.groups:
-            for i in np.unique(group.gids[group.kinds == TENSOR]).tolist():
+            for i in sorted_unique(group.gids[group.kinds == TENSOR]).tolist():
                 tensors[self.names[i]].update(group.ranks)
             index, names = self._unique_keys(group)
             for rank, row in zip(group.ranks, index.tolist(), strict=True):

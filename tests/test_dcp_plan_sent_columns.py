@@ -250,3 +250,32 @@ def _storage_columns(fast: Any) -> Any:
     joined = join_columns(fast.keys, results, {}, {})
     assert joined is not None
     return joined[0]
+
+
+def test_replicas_key_lists_are_looked_up_once() -> None:
+    plans = _local_plans(sim.World(4, 2, 3, 24), 7)
+    sent = _sent(plans)
+    table = _dcp_plan._KeyTable()
+    parts = [table.add(p) for p in sent]
+    assert all(p is not None for p in parts)
+    distinct = {"\x00".join(p.fqns) for p in sent}
+    assert len(table._known) == len(distinct) < len(sent)  # DP replicas: equal lists
+    fast = linear_global_columns(sent)
+    expected_plans, expected_md = _dcp(plans)
+    assert fast is not None and fast.metadata == expected_md
+    for keys, plan in zip(fast.keys, expected_plans, strict=True):
+        assert [vars(keys.index(i)) for i in range(len(keys))] == [
+            vars(item.index) for item in plan.items
+        ]
+
+
+def test_a_repeated_key_list_with_bytes_items_defers_to_dcp() -> None:
+    plans = _local_plans(sim.World(1, 1, 1, 16), 5)
+    assert any(i.tensor_data is None for i in plans[0].items)
+    assert linear_global_columns(_sent([plans[0], copy.deepcopy(plans[0])])) is None
+
+
+def test_keys_holding_the_separator_are_not_cached() -> None:
+    assert _dcp_plan._joined(["a", "b\x00c"]) is None
+    assert _dcp_plan._joined(["a", "b"]) == "a\x00b"
+    assert _dcp_plan._joined([]) == ""

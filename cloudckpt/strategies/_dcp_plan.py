@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from cloudckpt.array_utils import sorted_unique
 from cloudckpt.strategies._dcp_columns import ChunkColumns, PlanColumns, PlanKeys
 
 _STORAGE = BytesStorageMetadata | TensorStorageMetadata
@@ -239,7 +240,7 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
         if radix * len(ext) > _MAX_KEY:
             return False
         starts = tids * radix + off[:, dim]
-        bounds = _sorted_unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
+        bounds = sorted_unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
         pos = np.searchsorted(bounds, starts)
         following = np.append(bounds, -1)[pos + 1]
         if not (following == starts + sz[:, dim]).all():
@@ -252,19 +253,17 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
     return bool((cell[1:] != cell[:-1]).all())
 
 
-def _sorted_unique(values: Any) -> Any:
-    """``np.unique`` of an int array by sorting (numpy's hashed unique slows down
-    badly on these keys: tensor id times a radix plus an offset)."""
-    values = np.sort(values)
-    if len(values) < 2:
-        return values
-    keep = np.empty(len(values), dtype=bool)
-    keep[0] = True
-    np.not_equal(values[1:], values[:-1], out=keep[1:])
-    return values[keep]
-
-
 _MAX_KEY = 1 << 62
+_SEPARATOR = "\x00"
+
+
+def _joined(fqns: list[str]) -> str | None:
+    """``fqns`` as one string (a key of the key lists seen: DP replicas send equal
+    lists), or None where a key holds the separator (the list then isn't cached)."""
+    joined = _SEPARATOR.join(fqns)
+    if joined.count(_SEPARATOR) != max(len(fqns) - 1, 0):
+        return None
+    return joined
 
 
 @dataclass(frozen=True)
@@ -314,11 +313,26 @@ class _KeyTable:
         self.tensor_names: list[str] = []
         self.extents: list[torch.Size] = []
         self.sizes: dict[torch.Size, int] = {}
+        self._known: dict[str, Any] = {}  # a key list seen (joined): its key ids
 
     def add(self, plan: PlanColumns) -> tuple[Any, ...] | None:
         """Register one rank's items: per item its key's id; per tensor item (a mask
         over the items) its tensor's id and the global ids of its chunk's offsets and
         sizes."""
+        fqns = plan.fqns
+        joined = _joined(fqns)
+        cached = None if joined is None else self._known.get(joined)
+        if cached is not None:  # a replica's key list: every key known, none first
+            kid, first = cached, np.zeros(len(fqns), dtype=bool)
+        else:
+            kid, first = self._key_ids(plan)
+            if joined is not None:
+                kid.flags.writeable = False  # shared by the ranks sending this list
+                self._known[joined] = kid
+        return self._rank_part(plan, kid, first)
+
+    def _key_ids(self, plan: PlanColumns) -> tuple[Any, Any]:
+        """Per item its key's id (new keys registered) and whether it registered it."""
         fqns, ids = plan.fqns, self.ids
         kids = [ids.get(f, -1) for f in fqns]
         first = np.zeros(len(fqns), dtype=bool)
@@ -345,8 +359,11 @@ class _KeyTable:
         if len(self._key_tensor) < len(self.key_tensor):
             added = np.array(self.key_tensor[len(self._key_tensor) :], dtype=np.int64)
             self._key_tensor = np.concatenate([self._key_tensor, added])
+        return np.array(kids, dtype=np.int64), first
+
+    def _rank_part(self, plan: PlanColumns, kid: Any, first: Any) -> tuple[Any, ...] | None:
+        """The checks of one rank's items on arrays; its part (see :meth:`add`)."""
         kinds = np.frombuffer(plan.types, dtype=np.uint8)
-        kid = np.array(kids, dtype=np.int64)
         tid = self._key_tensor[kid]
         byte = kinds == _BYTE_IO
         if (byte & ~first).any() or (~byte & (tid < 0)).any():
@@ -377,7 +394,7 @@ class _KeyTable:
         (pool_ndim, pool_rows), (ndim, ext_rows) = matrix, extents
         if not ((pool_ndim[off] == ndim[tid]).all() and (pool_ndim[sz] == ndim[tid]).all()):
             return None  # a chunk whose rank differs from its tensor's: DCP decides
-        for d in np.unique(ndim).tolist():
+        for d in sorted_unique(ndim).tolist():
             if d == 0:
                 continue
             of_d = np.flatnonzero(ndim == d)
@@ -393,10 +410,8 @@ class _KeyTable:
         hint_all = np.empty(len(tid), dtype=np.int64)
         hint_all[order] = np.arange(len(tid)) - starts[ordered]
         off, sz = off[order], sz[order]
-        chunks = [
-            ChunkStorageMetadata(pool[o], pool[s])
-            for o, s in zip(off.tolist(), sz.tolist(), strict=True)
-        ]
+        at = pool.__getitem__
+        chunks = list(map(ChunkStorageMetadata, map(at, off.tolist()), map(at, sz.tolist())))
         bounds = starts.tolist()
         for t, value in enumerate(self.values):
             value.chunks = chunks[bounds[t] : bounds[t + 1]]
