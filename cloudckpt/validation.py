@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from cloudckpt import dist
+from cloudckpt.array_utils import sorted_unique
 from cloudckpt.dict_utils import nested_values
 from cloudckpt.errors import MissingKeysError, ShardingValidationError, UnexpectedKeysError
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
@@ -243,7 +244,7 @@ def even_tensor_is_valid(entries: Sequence[RankShard]) -> bool:
     )
     count = math.prod(grid)
     if unflattened:
-        return bool(len(cells) == count and np.unique(cells).size == count)
+        return bool(len(cells) == count and sorted_unique(cells).size == count)
     mains = list(itertools.compress(ranges, main.tolist()))
     starts = np.fromiter((r.start for r in mains), np.int64, len(mains))
     stops = np.fromiter((r.stop for r in mains), np.int64, len(mains))
