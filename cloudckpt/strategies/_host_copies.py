@@ -218,7 +218,13 @@ class HostCopies:
         if self._register_ok and nbytes >= max(self.register_min_bytes, 1):
             try:
                 return self._registered_buffer(dtype, shape, numel, nbytes)
-            except (CheckpointingException, RuntimeError, AttributeError) as exc:
+            except (
+                CheckpointingException,
+                RuntimeError,
+                AttributeError,
+                TypeError,
+                ValueError,
+            ) as exc:
                 logger.warning(
                     "pinning host buffers by registering them failed (%s): using PyTorch's "
                     "pinned allocator from now on (its blocks are rounded up to a power of two)",

@@ -317,14 +317,8 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         """
         state, extra = to_dcp_state_dict(sharded_state_dict)
         writer = self._writer(storage, config, extra)
-        try:
+        with _write_failures(storage.uri):
             dcp_save(state, writer, self.plan_cache if self.use_cached_ckpt_structure else None)
-        except CheckpointingException:
-            raise
-        except Exception as exc:
-            raise CheckpointingException(
-                f"saving the torch_dist part of checkpoint {storage.uri!r} failed: {exc}"
-            ) from exc
         return writer.results
 
     def _writer(
@@ -367,14 +361,8 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
                 planned = plan_save(lambda: state, writer, planner, plan_cache=cache)
             except CheckpointException as exc:  # a BaseException: made a CheckpointingException
                 raise save_failure(exc, storage.uri) from exc
-            try:
+            with _write_failures(storage.uri):
                 items = planned.write()
-            except CheckpointingException:
-                raise
-            except Exception as exc:
-                raise CheckpointingException(
-                    f"saving the torch_dist part of checkpoint {storage.uri!r} failed: {exc}"
-                ) from exc
         return list(writer.results), DeferredDcpFinish(planned, writer, items)
 
     def stage_to(
@@ -448,6 +436,19 @@ def host_copy(
     if lent is not None:
         lent.extend(copies)
     return {str(i): entry for i, entry in enumerate(entries)}
+
+
+@contextlib.contextmanager
+def _write_failures(uri: str) -> Iterator[None]:
+    """Any error of a torch_dist write as a :class:`CheckpointingException` naming ``uri``."""
+    try:
+        yield
+    except CheckpointingException:
+        raise
+    except Exception as exc:
+        raise CheckpointingException(
+            f"saving the torch_dist part of checkpoint {uri!r} failed: {exc}"
+        ) from exc
 
 
 class DeferredDcpFinish:
