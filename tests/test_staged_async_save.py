@@ -17,6 +17,7 @@ import torch
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.strategies._dcp_dist import GuardedDistWrapper
 from cloudckpt.strategies.async_utils import AsyncCallsQueue
 from cloudckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from cloudckpt.strategies.torch import StagedDcpSave, TorchDistSaveShardedStrategy
@@ -168,3 +169,31 @@ def test_fully_parallel_async_save_stages_through_the_wrapped_strategy(
     rank_pool: Any, tmp_path: Any
 ) -> None:
     assert rank_pool.run(_fully_parallel_scenario, str(tmp_path)) == [1] * 4
+
+
+def _broadcast_scenario(rank: int, world: int, base: str) -> list[str]:
+    """The types of what the torch_dist collectives broadcast during an async save."""
+    original = GuardedDistWrapper.broadcast_object
+    seen: list[str] = []
+
+    def broadcast_object(self: GuardedDistWrapper, obj: Any) -> Any:
+        out = original(self, obj)
+        seen.append(type(out).__name__)
+        return out
+
+    GuardedDistWrapper.broadcast_object = broadcast_object  # type: ignore[method-assign]
+    try:
+        _async_save(_state(rank, world, 7), os.path.join(base, "verdict"), None, validate=True)
+    finally:
+        GuardedDistWrapper.broadcast_object = original  # type: ignore[method-assign]
+    _check(os.path.join(base, "verdict"), rank, world, 7)
+    return seen
+
+
+def test_the_finalize_of_an_async_save_broadcasts_its_verdict_not_the_global_metadata(
+    rank_pool: Any, tmp_path: Any
+) -> None:
+    """The coordinator writes ``.metadata``; the other ranks learn only that it did (the
+    global metadata, every chunk of every tensor, would grow with the world on each)."""
+    seen = rank_pool.run(_broadcast_scenario, str(tmp_path))
+    assert seen == [["NoneType"]] * 4, seen

@@ -199,20 +199,35 @@ class PlannedSave:
                 return columns
         return results
 
-    def finish(self, write: Callable[[], Any] | None = None) -> Metadata:
+    def finish(
+        self, write: Callable[[], Any] | None = None, share_metadata: bool = True
+    ) -> Metadata | None:
         """Run ``write`` (default :meth:`write`; a function returning the results of an
         earlier write, or raising its error) on every rank, gather the results and let
         the coordinator write ``.metadata``. Collective.
+
+        Returns:
+            The global metadata on every rank (DCP's ``save`` returns it), broadcast by
+            the coordinator; with ``share_metadata=False`` only the coordinator's
+            (None elsewhere): the broadcast then carries the verdict only, not a
+            metadata that grows with the world (every chunk of every tensor).
 
         Raises:
             CheckpointException: (PyTorch's) some rank's write, or the coordinator's
                 ``.metadata``, failed; raised on every rank.
         """
 
-        metadata: Metadata = self.wrapper.all_reduce(
-            "write", write or self.write, self.write_metadata
-        )
-        return metadata
+        if share_metadata:
+            metadata: Metadata = self.wrapper.all_reduce(
+                "write", write or self.write, self.write_metadata
+            )
+            return metadata
+
+        def written(results: list[Any]) -> None:
+            self.write_metadata(results)
+
+        self.wrapper.all_reduce("write", write or self.write, written)
+        return self.metadata if self.wrapper.is_coordinator else None
 
     def write_metadata(self, results: list[Any]) -> Metadata:
         """The coordinator's: ``.metadata`` from every rank's :meth:`write` results, by
@@ -331,7 +346,9 @@ def save_state_dict(
         CollectiveError: a rank was lost or silent in a collective.
     """
     planned = plan_save(lambda: state_dict, writer, planner, group, coordinator_rank, plan_cache)
-    return planned.finish()
+    metadata = planned.finish()
+    assert metadata is not None, "finish shares the metadata with every rank"
+    return metadata
 
 
 def create_global_plan(
