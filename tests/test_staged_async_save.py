@@ -181,7 +181,7 @@ def _broadcast_scenario(rank: int, world: int, base: str) -> list[str]:
         seen.append(type(out).__name__)
         return out
 
-    GuardedDistWrapper.broadcast_object = broadcast_object  # type: ignore[method-assign]
+    GuardedDistWrapper.broadcast_object = broadcast_object  # type: ignore[method-assign,assignment]
     try:
         _async_save(_state(rank, world, 7), os.path.join(base, "verdict"), None, validate=True)
     finally:
