@@ -182,18 +182,21 @@ def _broadcast_scenario(rank: int, world: int, base: str) -> list[str]:
         return out
 
     GuardedDistWrapper.broadcast_object = broadcast_object  # type: ignore[method-assign,assignment]
+    strategy = TorchDistSaveShardedStrategy()
     try:
-        _async_save(_state(rank, world, 7), os.path.join(base, "verdict"), None, validate=True)
+        _async_save(_state(rank, world, 7), os.path.join(base, "async"), None, validate=True)
+        strategy.save(_state(rank, world, 8), os.path.join(base, "sync"))
     finally:
         GuardedDistWrapper.broadcast_object = original  # type: ignore[method-assign]
-    _check(os.path.join(base, "verdict"), rank, world, 7)
+    _check(os.path.join(base, "async"), rank, world, 7)
     return seen
 
 
-def test_the_finalize_of_an_async_save_broadcasts_its_verdict_not_the_global_metadata(
+def test_a_torch_dist_save_broadcasts_its_verdict_not_the_global_metadata(
     rank_pool: Any, tmp_path: Any
 ) -> None:
     """The coordinator writes ``.metadata``; the other ranks learn only that it did (the
-    global metadata, every chunk of every tensor, would grow with the world on each)."""
+    global metadata, every chunk of every tensor, would grow with the world on each),
+    whether the save is asynchronous or synchronous through the strategy itself."""
     seen = rank_pool.run(_broadcast_scenario, str(tmp_path))
-    assert seen == [["NoneType"]] * 4, seen
+    assert seen == [["NoneType", "NoneType"]] * 4, seen

@@ -199,29 +199,22 @@ class PlannedSave:
                 return columns
         return results
 
-    def finish(
-        self, write: Callable[[], Any] | None = None, share_metadata: bool = True
-    ) -> Metadata | None:
+    def finish(self, write: Callable[[], Any] | None = None) -> Metadata | None:
         """Run ``write`` (default :meth:`write`; a function returning the results of an
         earlier write, or raising its error) on every rank, gather the results and let
         the coordinator write ``.metadata``. Collective.
 
         Returns:
-            The global metadata on every rank (DCP's ``save`` returns it), broadcast by
-            the coordinator; with ``share_metadata=False`` only the coordinator's
-            (None elsewhere): the broadcast then carries the verdict only, not a
-            metadata that grows with the world (every chunk of every tensor).
+            The global metadata on the coordinator, None on the other ranks: the
+            coordinator broadcasts its verdict only (DCP's ``save`` broadcasts the
+            metadata, every chunk of every tensor: bytes on every rank that grow with
+            the world). On the coordinator's fast path (columns) the metadata holds no
+            ``storage_data``: the writer keeps it in columns.
 
         Raises:
             CheckpointException: (PyTorch's) some rank's write, or the coordinator's
                 ``.metadata``, failed; raised on every rank.
         """
-
-        if share_metadata:
-            metadata: Metadata = self.wrapper.all_reduce(
-                "write", write or self.write, self.write_metadata
-            )
-            return metadata
 
         def written(results: list[Any]) -> None:
             self.write_metadata(results)
@@ -336,9 +329,10 @@ def save_state_dict(
     group: Any = None,
     coordinator_rank: int = 0,
     plan_cache: SavePlanCache | None = None,
-) -> Metadata:
+) -> Metadata | None:
     """DCP's save steps (plan, write, finish) with :class:`GuardedDistWrapper`; with
-    ``plan_cache``, the plans of the previous save when no rank's plan changed.
+    ``plan_cache``, the plans of the previous save when no rank's plan changed. The
+    global metadata on the coordinator, None elsewhere (see :meth:`PlannedSave.finish`).
 
     Raises:
         CheckpointException: (PyTorch's, a BaseException) a step failed on some rank;
@@ -346,9 +340,7 @@ def save_state_dict(
         CollectiveError: a rank was lost or silent in a collective.
     """
     planned = plan_save(lambda: state_dict, writer, planner, group, coordinator_rank, plan_cache)
-    metadata = planned.finish()
-    assert metadata is not None, "finish shares the metadata with every rank"
-    return metadata
+    return planned.finish()
 
 
 def create_global_plan(

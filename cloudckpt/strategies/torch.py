@@ -516,7 +516,7 @@ class StagedDcpSave:
 
         with quiet_dcp_debug():
             try:
-                self._planned.finish(written, share_metadata=False)
+                self._planned.finish(written)
             except CheckpointException as exc:
                 raise save_failure(exc, uri) from exc
         return self._writer.results
