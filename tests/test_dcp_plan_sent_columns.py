@@ -81,6 +81,9 @@ def test_same_metadata_and_hints_as_the_object_step_and_dcps(world: sim.World) -
     objects = linear_global_save_plan(plans)
     assert fast is not None and objects is not None
     expected_plans, expected_md = _dcp(plans)
+    # the chunk lists stay empty (the pickle is written from the ids) until filled
+    assert all(not chunks for chunks in fast.chunks.lists)
+    fast.chunks.fill()
     assert repr(fast.metadata) == repr(expected_md) and fast.metadata == expected_md
     assert list(fast.metadata.state_dict_metadata) == list(expected_md.state_dict_metadata)
     assert [list(h) for h in fast.hints] == [
@@ -99,7 +102,8 @@ def test_the_real_step_scatters_the_same_updates() -> None:
     assert plans_in_columns(planner, writer)
     fast = global_step_columns(planner, writer, list(_sent(plans)))
     assert fast is not None
-    metadata, keys, updates, _ = fast
+    metadata, keys, updates, chunks = fast
+    chunks.fill()
     assert all(isinstance(u, GlobalPlanUpdate) and u.columns for u in updates)
     ref_planner, ref_writer = _planner(), _writer()
     planned, ref_md = create_global_plan(ref_planner, ref_writer, plans)
@@ -211,11 +215,14 @@ def test_chunk_lists_written_from_ids_unpickle_to_the_metadatas() -> None:
     md, chunks = fast.metadata, fast.chunks
     storage = _storage_columns(fast)
     with_ids = pickle.loads(dumps_metadata_columns(md, storage, chunks))
+    assert all(not chunk_list for chunk_list in chunks.lists)  # written without objects
+    chunks.fill()
+    filled = pickle.loads(dumps_metadata_columns(md, storage, chunks))
     without = pickle.loads(dumps_metadata_columns(md, storage))
     expected = copy.copy(md)
     expected.storage_data = storage.storage_data()
     expected = pickle.loads(pickle.dumps(expected))
-    for loaded in (with_ids, without):
+    for loaded in (with_ids, filled, without):
         assert loaded == expected and repr(loaded) == repr(expected)
     # a list replaced since (or ids that do not match): the objects are pickled
     name = chunks.names[0]
@@ -262,7 +269,9 @@ def test_replicas_key_lists_are_looked_up_once() -> None:
     assert len(table._known) == len(distinct) < len(sent)  # DP replicas: equal lists
     fast = linear_global_columns(sent)
     expected_plans, expected_md = _dcp(plans)
-    assert fast is not None and fast.metadata == expected_md
+    assert fast is not None
+    fast.chunks.fill()
+    assert fast.metadata == expected_md
     for keys, plan in zip(fast.keys, expected_plans, strict=True):
         assert [vars(keys.index(i)) for i in range(len(keys))] == [
             vars(item.index) for item in plan.items
@@ -279,3 +288,37 @@ def test_keys_holding_the_separator_are_not_cached() -> None:
     assert _dcp_plan._joined(["a", "b\x00c"]) is None
     assert _dcp_plan._joined(["a", "b"]) == "a\x00b"
     assert _dcp_plan._joined([]) == ""
+
+
+def test_a_rank_sending_objects_gets_the_chunk_lists_filled(tmp_path: Path) -> None:
+    """The coordinator's step on columns leaves the chunk lists empty; where a rank then
+    sends its write results as objects, ``finish_columns`` takes the objects path, which
+    pickles the lists themselves: it fills them first, and ``.metadata`` is the same."""
+    from cloudckpt.strategies._dcp_columns import ItemResultColumns  # noqa: PLC0415
+    from cloudckpt.strategies._dcp_plan import apply_global_plan_update  # noqa: PLC0415
+    from cloudckpt.strategies._dcp_storage import read_metadata  # noqa: PLC0415
+
+    plans = _local_plans(sim.World(2, 2, 2, 16), 13)
+    written = []
+    for name in ("columns", "objects"):
+        planner = _planner()
+        writer = CloudStorageWriter(open_checkpoint(str(tmp_path / name)))
+        fast = global_step_columns(planner, writer, list(_sent(plans)))
+        assert fast is not None
+        metadata, keys, updates, chunks = fast
+        assert all(not c for c in chunks.lists)
+        results: list[Any] = []
+        for plan, update in zip(plans, updates, strict=True):
+            final = apply_global_plan_update(copy.deepcopy(plan), update)
+            items = sim.dcp_item_results(final)
+            results.append(ItemResultColumns.of(final.items, items))
+        if name == "objects":
+            results[1] = sim.dcp_item_results(apply_global_plan_update(plans[1], updates[1]))
+        writer.save_id = "same"
+        writer.finish_columns(metadata, keys, results, chunks)
+        assert all(chunks.lists) == (name == "objects")
+        loaded = read_metadata(writer.storage)
+        loaded.storage_meta = None
+        written.append(loaded)
+    assert written[0] == written[1] and written[0].mcore_data == written[1].mcore_data
+    assert all(getattr(v, "chunks", [1]) for v in written[0].state_dict_metadata.values())

@@ -309,16 +309,34 @@ def _record_tables(cols: StorageColumns, starts: Any, nbytes: Any) -> dict[str, 
 @dataclass(frozen=True)
 class ChunkColumns:
     """The chunk lists of the global metadata's tensors as ids, as the coordinator's
-    step on columns made them: per tensor (in order) its key and its list object; per
-    chunk (the tensors' lists one after another) ids into ``sizes`` of its offsets and
-    sizes. The pickle writer writes the lists from these where the metadata still
-    holds those very lists."""
+    step on columns made them: per tensor (in order) its key and its list object
+    (empty until :meth:`fill`); per chunk (the tensors' chunks one after another) ids
+    into ``sizes`` of its offsets and sizes; per tensor where its chunks start
+    (``bounds``, one more than the tensors). The pickle writer writes the lists from
+    these where the metadata still holds those very lists, without the objects."""
 
     names: list[str]
     lists: list[list[ChunkStorageMetadata]]
     sizes: list[torch.Size]
     offset_ids: Any  # numpy int64 arrays, one value per chunk
     size_ids: Any
+    bounds: Any  # numpy int64 array, len(names) + 1
+
+    def counts(self) -> list[int]:
+        """Each tensor's number of chunks."""
+        return np.diff(self.bounds).tolist()  # type: ignore[no-any-return]
+
+    def fill(self) -> None:
+        """Fill each empty list with its ``ChunkStorageMetadata`` objects (for a caller
+        that needs the metadata whole: the objects path, another pickle)."""
+        at = self.sizes.__getitem__
+        bounds = self.bounds.tolist()
+        for t, chunk_list in enumerate(self.lists):
+            lo, hi = bounds[t], bounds[t + 1]
+            if chunk_list or hi == lo:
+                continue
+            offsets, sizes = self.offset_ids[lo:hi].tolist(), self.size_ids[lo:hi].tolist()
+            chunk_list.extend(map(ChunkStorageMetadata, map(at, offsets), map(at, sizes)))
 
 
 def as_write_results(

@@ -74,6 +74,8 @@ def dumps_metadata_columns(
     arrays; so are the tensors' chunk lists from ``chunks`` where ``metadata`` holds
     those very lists. ``metadata`` itself is left as it was."""
     if len(storage) < 2 or not _plain_tables(storage):
+        if chunks is not None:
+            chunks.fill()
         full = copy.copy(metadata)
         full.storage_data = storage.storage_data()
         return dumps_metadata(full)
@@ -85,6 +87,8 @@ def dumps_metadata_columns(
         out.write(pickle.PROTO + bytes([PROTOCOL]))
         sizes = _write_storage_columns(out, placeholder, storage)
         if chunks is None or not _write_chunk_columns(out, metadata, chunks, sizes):
+            if chunks is not None:
+                chunks.fill()
             _write_chunks(out, metadata, sizes)
         pickler = pickle.Pickler(out.buffer, protocol=PROTOCOL)
         pickler.memo = out.memo
@@ -401,8 +405,9 @@ def _write_chunk_columns(
     out: _Stream, metadata: Metadata, chunks: ChunkColumns, sizes: dict[Any, int]
 ) -> bool:
     """:func:`_write_chunks` from ids: each tensor's chunk list, where ``metadata``
-    holds the very list ``chunks`` names for it (of the length the ids say), written as
-    records filled with numpy; False (nothing written) where it does not."""
+    holds the very list ``chunks`` names for it (empty, or filled to the length the ids
+    say), written as records filled with numpy; False (nothing written) where it does
+    not."""
     md = metadata.state_dict_metadata
     if type(md) is not dict or len(chunks.lists) != len(chunks.names):
         return False
@@ -412,9 +417,11 @@ def _write_chunk_columns(
             return False
         if type(chunk_list) is not list:
             return False
-    lengths = [len(chunk_list) for chunk_list in chunks.lists]
+    lengths = chunks.counts()
     if sum(lengths) != len(chunks.offset_ids) or len(set(map(id, chunks.lists))) != len(lengths):
         return False
+    if any(c and len(c) != n for c, n in zip(chunks.lists, lengths, strict=True)):
+        return False  # a list changed since: not the one the ids describe
     if set(map(type, chunks.sizes)) - {torch.Size}:
         return False
     push = functools.partial(_push_size, out)

@@ -269,7 +269,9 @@ def _joined(fqns: list[str]) -> str | None:
 @dataclass(frozen=True)
 class ColumnsGlobalPlan:
     """:func:`linear_global_columns`' result: DCP's global ``Metadata``, per rank the
-    index hint of each item (-1: kept) and its items' keys (for results in columns)."""
+    index hint of each item (-1: kept) and its items' keys (for results in columns).
+    The metadata's chunk lists are empty until :meth:`ChunkColumns.fill` (``chunks``)
+    fills them: the coordinator pickles them from the ids, without the objects."""
 
     metadata: Metadata
     hints: list[array.array[int]]
@@ -409,14 +411,8 @@ class _KeyTable:
         starts = np.searchsorted(ordered, np.arange(len(self.values) + 1))
         hint_all = np.empty(len(tid), dtype=np.int64)
         hint_all[order] = np.arange(len(tid)) - starts[ordered]
-        off, sz = off[order], sz[order]
-        at = pool.__getitem__
-        chunks = list(map(ChunkStorageMetadata, map(at, off.tolist()), map(at, sz.tolist())))
-        bounds = starts.tolist()
-        for t, value in enumerate(self.values):
-            value.chunks = chunks[bounds[t] : bounds[t + 1]]
-        lists = [value.chunks for value in self.values]
-        columns = ChunkColumns(self.tensor_names, lists, pool, off, sz)
+        lists = [value.chunks for value in self.values]  # empty: filled on request
+        columns = ChunkColumns(self.tensor_names, lists, pool, off[order], sz[order], starts)
         return self._per_rank(plans, parts, hint_all, columns)
 
     def _per_rank(

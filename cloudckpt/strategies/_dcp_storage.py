@@ -342,11 +342,15 @@ class CloudStorageWriter(StorageWriter):
         dumps_metadata_columns`), the same ``Metadata`` when unpickled, without the
         per-item objects; with ``chunks`` (the coordinator's step on columns) the
         metadata's chunk lists too. :attr:`metadata` then holds the global metadata without
-        ``storage_data`` (None), :attr:`storage_columns` its columns. Where a rank sent
+        ``storage_data`` (None), :attr:`storage_columns` its columns; its chunk lists stay
+        empty where ``chunks`` wrote them (:meth:`~cloudckpt.strategies._dcp_columns.
+        ChunkColumns.fill` fills them). Where a rank sent
         objects, or no ``.metadata`` is written (``write_metadata=False``: the
         ``Metadata`` is kept whole), this is :meth:`finish`."""
         columns = [r for r in results if isinstance(r, ItemResultColumns)]
         if not self.write_metadata or len(columns) != len(results):
+            if chunks is not None:
+                chunks.fill()  # the metadata whole: its chunk lists as objects
             objects = [as_write_results(k, r) for k, r in zip(keys, results, strict=True)]
             self.finish(metadata, objects)
             return
