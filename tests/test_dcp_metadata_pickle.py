@@ -11,12 +11,15 @@ import pickle
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from cloudckpt.strategies import _dcp_metadata_pickle
+from cloudckpt.strategies._dcp_columns import RecordColumns
 from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata
 from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
 
@@ -139,3 +142,38 @@ def test_chunk_lists_in_columns_load_as_chunks() -> None:
         assert type(got) is list and got == chunks
         assert [list(vars(c)) for c in got] == [["offsets", "sizes"]] * len(chunks)
         assert all(type(c.offsets) is type(c.sizes) is torch.Size for c in got)
+
+
+def _records(wide: bool) -> RecordColumns:
+    """Two record tables: the first with equal offsets twice (the later record wins)."""
+    ids = np.array
+    last = 2**40 if wide else 9
+    return RecordColumns(
+        ["a", "b"],
+        [{}, {}],
+        [(0, 0), (4, 0), (), (8, 8)],
+        ids([0, 3, 4]),
+        ids([0, 1, 0, 2]),
+        ids([5, 6, 7, last]),
+        ids([1, 2, 3, 4]),
+    )
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_record_tables_written_from_arrays_unpickle_to_the_dicts(wide: bool) -> None:
+    records = _records(wide)
+    out = _dcp_metadata_pickle._Stream()
+    out.write(pickle.PROTO + bytes([4]))
+    assert _dcp_metadata_pickle._write_record_columns(out, records)
+    assert records.tables == [{}, {}]  # written without the objects
+    pickler = pickle.Pickler(out.buffer, protocol=4)
+    pickler.memo = out.memo
+    pickler.dump({"x": {"t": records.tables[0]}, "y": records.tables[1]})
+    loaded = pickle.loads(out.buffer.getvalue())
+    records.fill()
+    assert records.tables[0] == {(0, 0): (7, 3), (4, 0): (6, 2)}
+    assert records.tables[1] == {(): (9 if not wide else 2**40, 4)}
+    assert loaded == {"x": {"t": records.tables[0]}, "y": records.tables[1]}
+    assert list(loaded["x"]["t"]) == list(records.tables[0])  # the same order
+    # a table filled since: the pickler writes them all
+    assert not _dcp_metadata_pickle._write_record_columns(_dcp_metadata_pickle._Stream(), records)

@@ -22,7 +22,6 @@ the coordinator takes the object path for every rank (:func:`as_write_results`).
 from __future__ import annotations
 
 import array
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -242,11 +241,11 @@ def join_columns(
     results: Sequence[ItemResultColumns],
     shared_fqns: dict[str, str],
     shared_sizes: dict[torch.Size, torch.Size],
-) -> tuple[StorageColumns, dict[str, RecordTable]] | None:
+) -> tuple[StorageColumns, RecordColumns] | None:
     """Every rank's keys joined with its result columns (the same items, in the same
     order) on global tables, equal fqns and offsets the objects of ``shared_fqns`` and
     ``shared_sizes`` (so that the pickle refers to each once), and per fqn the record
-    table of its items; None where a rank's columns do not match its keys."""
+    table of its items (in columns); None where a rank's columns do not match its keys."""
     if len(keys) != len(results) or any(
         len(k) != len(r) for k, r in zip(keys, results, strict=True)
     ):
@@ -286,24 +285,65 @@ def _concat(arrays: list[Any]) -> Any:
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
 
 
-def _record_tables(cols: StorageColumns, starts: Any, nbytes: Any) -> dict[str, RecordTable]:
+def _record_tables(cols: StorageColumns, starts: Any, nbytes: Any) -> RecordColumns:
     """Per fqn, the records of its items that have one and an offset (``{chunk offsets:
-    (start, nbytes)}``, as the writer's object path builds them), in item order."""
+    (start, nbytes)}``, as the writer's object path builds them), in item order, as
+    :class:`RecordColumns`."""
     chosen = np.flatnonzero((starts >= 0) & (cols.offset_ids >= 0))
     order = chosen[np.argsort(cols.key_ids[chosen], kind="stable")]
     keys = cols.key_ids[order]
     cut = np.flatnonzero(np.diff(keys)) + 1
-    bounds = [0, *cut.tolist(), len(order)]
-    points = [tuple(size) for size in cols.sizes]
-    offsets = [points[o] for o in cols.offset_ids[order].tolist()]
-    values = list(zip(starts[order].tolist(), nbytes[order].tolist(), strict=True))
-    tables: dict[str, RecordTable] = {}
-    for lo, hi in itertools.pairwise(bounds):
-        if hi > lo:
-            name = cols.names[keys[lo]]
-            table = tables.setdefault(name, {})
-            table.update(zip(offsets[lo:hi], values[lo:hi], strict=True))
-    return tables
+    bounds = np.concatenate([[0], cut, [len(order)]]) if len(order) else np.zeros(1, np.int64)
+    names = [cols.names[k] for k in keys[bounds[:-1]].tolist()]
+    return RecordColumns(
+        names,
+        [{} for _ in names],
+        [tuple(size) for size in cols.sizes],
+        bounds.astype(np.int64),
+        cols.offset_ids[order],
+        starts[order],
+        nbytes[order],
+    )
+
+
+@dataclass(frozen=True)
+class RecordColumns:
+    """``mcore_data``'s record tables (per fqn ``{chunk offsets: (start, nbytes)}``:
+    where each item's tensor lies in its stored bytes) as arrays: per fqn with records
+    its name and its table object (empty until :meth:`fill`); per record (the fqns'
+    records one after another, in item order) the id of its offsets in ``points`` (the
+    tables' keys, one tuple per distinct offsets), its start and byte count; per fqn
+    where its records start (``bounds``, one more than the names). The pickle writer
+    writes the tables from these, without the per-record objects."""
+
+    names: list[str]
+    tables: list[RecordTable]
+    points: list[tuple[int, ...]]
+    bounds: Any  # numpy int64 arrays
+    point_ids: Any
+    starts: Any
+    nbytes: Any
+
+    def __len__(self) -> int:
+        return len(self.point_ids)
+
+    def by_name(self) -> dict[str, RecordTable]:
+        """The table objects by fqn."""
+        return dict(zip(self.names, self.tables, strict=True))
+
+    def fill(self) -> None:
+        """Fill each empty table with its records (for a caller that needs them as
+        objects); a table's later record of the same offsets wins, as in a dict."""
+        if not any(not table for table in self.tables):
+            return
+        points = self.points
+        offsets = [points[o] for o in self.point_ids.tolist()]
+        values = list(zip(self.starts.tolist(), self.nbytes.tolist(), strict=True))
+        bounds = self.bounds.tolist()
+        for t, table in enumerate(self.tables):
+            if not table:
+                lo, hi = bounds[t], bounds[t + 1]
+                table.update(zip(offsets[lo:hi], values[lo:hi], strict=True))
 
 
 @dataclass(frozen=True)
@@ -497,6 +537,7 @@ __all__ = [
     "ItemResultColumns",
     "PlanColumns",
     "PlanKeys",
+    "RecordColumns",
     "RecordTable",
     "StorageColumns",
     "as_write_results",

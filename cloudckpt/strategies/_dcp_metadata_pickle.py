@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from cloudckpt.strategies._dcp_columns import ChunkColumns, StorageColumns
+from cloudckpt.strategies._dcp_columns import ChunkColumns, RecordColumns, StorageColumns
 
 PROTOCOL = 4  # pickle.dumps's default protocol here: what the writer wrote before
 _INT32 = (-(1 << 31), (1 << 31) - 1)
@@ -66,16 +66,22 @@ def dumps_metadata(metadata: Metadata) -> bytes:
 
 
 def dumps_metadata_columns(
-    metadata: Metadata, storage: StorageColumns, chunks: ChunkColumns | None = None
+    metadata: Metadata,
+    storage: StorageColumns,
+    chunks: ChunkColumns | None = None,
+    records: RecordColumns | None = None,
 ) -> bytes:
     """``metadata`` with the ``storage_data`` that ``storage`` describes, pickled as
     :func:`dumps_metadata` pickles it, without building the dict's per-item objects
     (``MetadataIndex``, ``_StorageInfo``): the records are filled from the columns'
     arrays; so are the tensors' chunk lists from ``chunks`` where ``metadata`` holds
-    those very lists. ``metadata`` itself is left as it was."""
+    those very lists, and the record tables of ``mcore_data`` from ``records`` (the
+    tables it holds, while all are empty). ``metadata`` itself is left as it was."""
     if len(storage) < 2 or not _plain_tables(storage):
         if chunks is not None:
             chunks.fill()
+        if records is not None:
+            records.fill()
         full = copy.copy(metadata)
         full.storage_data = storage.storage_data()
         return dumps_metadata(full)
@@ -90,6 +96,8 @@ def dumps_metadata_columns(
             if chunks is not None:
                 chunks.fill()
             _write_chunks(out, metadata, sizes)
+        if records is not None and not _write_record_columns(out, records):
+            records.fill()  # the pickler writes them
         pickler = pickle.Pickler(out.buffer, protocol=PROTOCOL)
         pickler.memo = out.memo
         pickler.dump(metadata)
@@ -454,6 +462,52 @@ def _write_chunk_columns(
         done += count
     out.write(b"".join(pieces))
     return True
+
+
+def _write_record_columns(out: _Stream, records: RecordColumns) -> bool:
+    """The record tables of ``records`` from its arrays, each memoized as the table
+    object the metadata holds: one fixed-width record per entry (its offsets, memoized
+    once per distinct tuple, and its ``(start, nbytes)``), filled with numpy. The
+    entries of a table in item order: the later of equal offsets wins when unpickled,
+    as in the dict. False (nothing written) where a table is not empty."""
+    if any(records.tables) or len(set(map(id, records.tables))) != len(records.tables):
+        return False
+    used_mask = np.zeros(len(records.points), dtype=bool)
+    used_mask[records.point_ids] = True
+    used = np.flatnonzero(used_mask).tolist()
+    memo = np.zeros(len(records.points), dtype=np.int64)
+    memo[used] = [out.memoize(records.points[i], _push_point) for i in used]
+    ints = (records.starts, records.nbytes)
+    wide = any(c.size and (c.min() < _INT32[0] or c.max() > _INT32[1]) for c in ints)
+    int_op, int_type = (pickle.LONG1 + b"\x08", "<i8") if wide else (pickle.BININT, "<i4")
+    parts: list[tuple[str, bytes | str]] = [
+        ("c0", pickle.LONG_BINGET),
+        ("point", "<u4"),
+        ("c1", int_op),
+        ("start", int_type),
+        ("c2", int_op),
+        ("nbytes", int_type),
+        ("c3", pickle.TUPLE2 + pickle.SETITEM),
+    ]
+    rec = _record_array(parts, len(records))
+    rec["point"] = memo[records.point_ids]
+    rec["start"] = records.starts
+    rec["nbytes"] = records.nbytes
+    raw, width = rec.tobytes(), rec.dtype.itemsize
+    pieces = []
+    bounds = records.bounds.tolist()
+    for t, table in enumerate(records.tables):
+        pieces.append(pickle.EMPTY_DICT + pickle.MEMOIZE)
+        pieces.append(raw[bounds[t] * width : bounds[t + 1] * width])
+        pieces.append(pickle.POP)
+        out.memo[id(table)] = (len(out.memo), table)
+    out.write(b"".join(pieces))
+    return True
+
+
+def _push_point(point: tuple[int, ...]) -> bytes:
+    """A tuple of ints (a record table's key)."""
+    return pickle.MARK + b"".join(_int(int(v)) for v in point) + pickle.TUPLE
 
 
 def _record_array(parts: list[tuple[str, bytes | str]], n: int) -> Any:

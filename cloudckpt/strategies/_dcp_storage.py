@@ -71,6 +71,7 @@ from cloudckpt.strategies._dcp_columns import (
     ChunkColumns,
     ItemResultColumns,
     PlanKeys,
+    RecordColumns,
     StorageColumns,
     as_write_results,
     join_columns,
@@ -136,6 +137,7 @@ class CloudStorageWriter(StorageWriter):
         self.write_metadata = write_metadata
         self.metadata: Metadata | None = None
         self.storage_columns: StorageColumns | None = None
+        self.record_columns: RecordColumns | None = None
         self.storage = storage
         self.object_size = object_size
         self.batch_bytes = batch_bytes
@@ -344,7 +346,8 @@ class CloudStorageWriter(StorageWriter):
         metadata's chunk lists too. :attr:`metadata` then holds the global metadata without
         ``storage_data`` (None), :attr:`storage_columns` its columns; its chunk lists stay
         empty where ``chunks`` wrote them (:meth:`~cloudckpt.strategies._dcp_columns.
-        ChunkColumns.fill` fills them). Where a rank sent
+        ChunkColumns.fill` fills them), and so do the record tables of its ``mcore_data``
+        (:attr:`record_columns`, whose ``fill`` fills them). Where a rank sent
         objects, or no ``.metadata`` is written (``write_metadata=False``: the
         ``Metadata`` is kept whole), this is :meth:`finish`."""
         columns = [r for r in results if isinstance(r, ItemResultColumns)]
@@ -365,8 +368,8 @@ class CloudStorageWriter(StorageWriter):
             raise CheckpointingException(
                 f"checkpoint {self.storage.uri!r}: the item results do not match the plans"
             )
-        storage, tables = joined
-        for key, table in tables.items():
+        storage, records = joined
+        for key, table in records.by_name().items():
             extra[key] = {**extra.get(key, {}), TENSOR_DATA_KEY: table}
         metadata.storage_meta = self.storage_meta()
         metadata.storage_data = None
@@ -374,7 +377,8 @@ class CloudStorageWriter(StorageWriter):
             metadata.mcore_data = extra  # type: ignore[attr-defined]
         self.metadata = metadata
         self.storage_columns = storage
-        raw = dumps_metadata_columns(metadata, storage, chunks)
+        self.record_columns = records
+        raw = dumps_metadata_columns(metadata, storage, chunks, records)
         self.results.append(self.storage.write(METADATA_FNAME, raw))
 
     def storage_meta(self) -> StorageMeta | None:
