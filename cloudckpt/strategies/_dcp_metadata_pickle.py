@@ -515,11 +515,12 @@ def _record_array(parts: list[tuple[str, bytes | str]], n: int) -> Any:
     dtype = np.dtype(
         [(f, p if isinstance(p, str) else f"S{len(p)}") for f, p in parts], align=False
     )
-    rec = np.empty(n, dtype=dtype)
+    template = np.zeros(1, dtype=dtype)
     for name, part in parts:
         if isinstance(part, bytes):
-            rec[name] = part
-    return rec
+            template[name] = part
+    # the constants copied as one repeated record (not field by field, strided)
+    return np.frombuffer(bytearray(template.tobytes() * n), dtype=dtype)
 
 
 def _records(
