@@ -265,7 +265,7 @@ def test_replicas_key_lists_are_looked_up_once() -> None:
     table = _dcp_plan._KeyTable()
     parts = [table.add(p) for p in sent]
     assert all(p is not None for p in parts)
-    distinct = {"\x00".join(p.fqns) for p in sent}
+    distinct = {p.keys for p in sent}
     assert len(table._known) == len(distinct) < len(sent)  # DP replicas: equal lists
     fast = linear_global_columns(sent)
     expected_plans, expected_md = _dcp(plans)
@@ -284,10 +284,16 @@ def test_a_repeated_key_list_with_bytes_items_defers_to_dcp() -> None:
     assert linear_global_columns(_sent([plans[0], copy.deepcopy(plans[0])])) is None
 
 
-def test_keys_holding_the_separator_are_not_cached() -> None:
-    assert _dcp_plan._joined(["a", "b\x00c"]) is None
-    assert _dcp_plan._joined(["a", "b"]) == "a\x00b"
-    assert _dcp_plan._joined([]) == ""
+def test_plans_send_their_keys_as_one_string() -> None:
+    plans = _local_plans(sim.World(2, 2, 2, 16), 5)
+    columns = PlanColumns.of(plans[0])
+    assert columns is not None and type(columns.keys) is str
+    assert columns.fqns == [item.index.fqn for item in plans[0].items]
+    assert PlanColumns.of(SavePlan([])) is not None and PlanColumns.of(SavePlan([])).fqns == []
+    # a key holding the separator: the plan goes as objects
+    item = plans[0].items[0]
+    odd = dataclasses.replace(item, index=dataclasses.replace(item.index, fqn="a\x00b"))
+    assert PlanColumns.of(SavePlan([odd, *plans[0].items[1:]])) is None
 
 
 def test_a_rank_sending_objects_gets_the_chunk_lists_filled(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
 
 #: a record table: per chunk offsets, (start, nbytes) of its elements within the item
 RecordTable = dict[tuple[int, ...], tuple[int, int]]
+KEY_SEPARATOR = "\x00"  # between the keys of PlanColumns.keys
 
 
 @dataclass(frozen=True)
@@ -409,7 +410,10 @@ class PlanColumns:
     coordinator takes DCP's step.
 
     Attributes:
-        fqns: per item, its key.
+        keys: the items' keys (fqns) joined by ``"\\x00"`` (one string to send and
+            unpickle, not one per item; :attr:`fqns` splits it; a key holding the
+            separator makes the plan go as objects). DP replicas send equal strings:
+            the coordinator looks each distinct one up once.
         types: per item, its ``WriteItemType`` value.
         sizes: the rank's distinct ``torch.Size`` values.
         offset_ids, size_ids, extent_ids: per item, ids into ``sizes`` of its chunk's
@@ -419,7 +423,7 @@ class PlanColumns:
         byte_items: the bytes items, by position.
     """
 
-    fqns: list[str]
+    keys: str
     types: bytes
     sizes: tuple[torch.Size, ...]
     offset_ids: array.array[int]
@@ -433,7 +437,12 @@ class PlanColumns:
     usable: bool
 
     def __len__(self) -> int:
-        return len(self.fqns)
+        return len(self.types)
+
+    @property
+    def fqns(self) -> list[str]:
+        """Per item, its key."""
+        return self.keys.split(KEY_SEPARATOR) if self.types else []
 
     @classmethod
     def of(cls, plan: SavePlan) -> PlanColumns | None:
@@ -467,8 +476,11 @@ class PlanColumns:
                 return None
             for column, value in zip(ids, found, strict=True):
                 column[i] = value
+        keys = KEY_SEPARATOR.join(fqns)
+        if keys.count(KEY_SEPARATOR) != max(n - 1, 0):
+            return None  # a key holds the separator
         return cls(
-            fqns,
+            keys,
             bytes(types),
             tuple(sizes),
             ids[0],
@@ -533,6 +545,7 @@ def _tensor_ids(
 
 
 __all__ = [
+    "KEY_SEPARATOR",
     "ChunkColumns",
     "ItemResultColumns",
     "PlanColumns",

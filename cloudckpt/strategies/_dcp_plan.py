@@ -254,16 +254,6 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
 
 
 _MAX_KEY = 1 << 62
-_SEPARATOR = "\x00"
-
-
-def _joined(fqns: list[str]) -> str | None:
-    """``fqns`` as one string (a key of the key lists seen: DP replicas send equal
-    lists), or None where a key holds the separator (the list then isn't cached)."""
-    joined = _SEPARATOR.join(fqns)
-    if joined.count(_SEPARATOR) != max(len(fqns) - 1, 0):
-        return None
-    return joined
 
 
 @dataclass(frozen=True)
@@ -321,16 +311,13 @@ class _KeyTable:
         """Register one rank's items: per item its key's id; per tensor item (a mask
         over the items) its tensor's id and the global ids of its chunk's offsets and
         sizes."""
-        fqns = plan.fqns
-        joined = _joined(fqns)
-        cached = None if joined is None else self._known.get(joined)
+        cached = self._known.get(plan.keys)
         if cached is not None:  # a replica's key list: every key known, none first
-            kid, first = cached, np.zeros(len(fqns), dtype=bool)
+            kid, first = cached, np.zeros(len(plan), dtype=bool)
         else:
             kid, first = self._key_ids(plan)
-            if joined is not None:
-                kid.flags.writeable = False  # shared by the ranks sending this list
-                self._known[joined] = kid
+            kid.flags.writeable = False  # shared by the ranks sending this list
+            self._known[plan.keys] = kid
         return self._rank_part(plan, kid, first)
 
     def _key_ids(self, plan: PlanColumns) -> tuple[Any, Any]:
