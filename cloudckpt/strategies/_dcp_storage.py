@@ -76,6 +76,7 @@ from cloudckpt.strategies._dcp_columns import (
     as_write_results,
     join_columns,
 )
+from cloudckpt.strategies._dcp_extra import PickledExtra, merge_extras
 from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata, dumps_metadata_columns
 from cloudckpt.strategies._dcp_objects import (
     BufferedObject,
@@ -155,12 +156,10 @@ class CloudStorageWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # the coordinator merges every rank's extra metadata in prepare_global_plan
-        return replace(plan, storage_data=self.mcore_data)
+        return replace(plan, storage_data=PickledExtra.of(self.mcore_data))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        for plan in plans:
-            if isinstance(plan.storage_data, dict):
-                self.mcore_data.update(plan.storage_data)
+        merge_extras(self.mcore_data, [plan.storage_data for plan in plans])
         return [
             replace(p, storage_data=_StoragePrefix(f"__{i}_{self.part}"))
             for i, p in enumerate(plans)
