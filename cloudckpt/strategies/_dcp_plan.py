@@ -227,30 +227,70 @@ def _fills(tids: Any, sz: Any, ext: Any) -> bool:
 def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool:
     """True when, in every tensor with two or more chunks, every chunk spans exactly
     one cell of the grid made by the chunks' offsets in each dimension, and no two
-    chunks start at the same offsets (then they are disjoint)."""
+    chunks lie in the same cell (then they are disjoint). A chunk's cell is numbered
+    within its tensor (so the numbers stay below the chunks' count, whatever the
+    world), and the cells are told apart by a count, not a sort."""
     several = count[tids] >= 2
     if not several.any():
         return True
     tids, off, sz = tids[several], off[several], sz[several]
-    tensor_ids = np.arange(len(ext), dtype=np.int64)
-    cell = np.zeros(len(tids), dtype=np.int64)
-    cells = 1
+    cell = np.zeros(len(tids), dtype=np.int64)  # the chunk's cell within its tensor
+    per_tensor = np.ones(len(ext), dtype=np.int64)  # each tensor's cells so far
     for dim in range(off.shape[1]):
-        radix = int(ext[:, dim].max()) + 1
-        if radix * len(ext) > _MAX_KEY:
+        found = _dim_cells(tids, off[:, dim], sz[:, dim], ext[:, dim])
+        if found is None:
             return False
-        starts = tids * radix + off[:, dim]
-        bounds = sorted_unique(np.concatenate([starts, tensor_ids * radix + ext[:, dim]]))
-        pos = np.searchsorted(bounds, starts)
-        following = np.append(bounds, -1)[pos + 1]
-        if not (following == starts + sz[:, dim]).all():
+        pos, cells = found
+        if (per_tensor.astype(np.float64) * cells).max(initial=0) > _MAX_KEY:
             return False
-        cells *= len(bounds)
-        if cells > _MAX_KEY:
-            return False
-        cell = cell * len(bounds) + pos
-    cell.sort()
-    return bool((cell[1:] != cell[:-1]).all())
+        cell = cell * cells[tids] + pos
+        per_tensor *= cells
+    base = np.cumsum(per_tensor) - per_tensor  # each tensor's first cell, all tensors'
+    total = int(per_tensor.sum())
+    key = base[tids] + cell
+    if total <= 4 * len(key) + 1024:  # a grid's cells, each held by one chunk
+        return bool((np.bincount(key, minlength=total) <= 1).all())
+    key.sort()
+    return bool((key[1:] != key[:-1]).all())
+
+
+def _dim_cells(tids: Any, off: Any, sz: Any, ext: Any) -> tuple[Any, Any] | None:
+    """Along one dimension: each chunk's cell (its position among its tensor's cells)
+    and each tensor's number of cells, where every chunk spans exactly one cell of its
+    tensor's grid (the cells between the tensor's chunk offsets and its end); None
+    where one does not. Without a sort where the dimension is whole in every chunk, or
+    split evenly (every chunk of a tensor of one size, which divides its offset and
+    the tensor's size: TP's splits); by the sorted offsets otherwise."""
+    n_tensors = len(ext)
+    if ((off == 0) & (sz == ext[tids])).all():
+        return np.zeros(len(tids), dtype=np.int64), np.ones(n_tensors, dtype=np.int64)
+    step = np.zeros(n_tensors, dtype=np.int64)
+    step[tids] = sz
+    each = step[tids]
+    even = (sz > 0).all() and (each == sz).all()
+    if even and not ((off % each).any() or (ext[tids] % each).any()):
+        cells = np.ones(n_tensors, dtype=np.int64)
+        used = step > 0
+        cells[used] = ext[used] // step[used]
+        return off // each, cells
+    return _sorted_cells(tids, off, sz, ext)
+
+
+def _sorted_cells(tids: Any, off: Any, sz: Any, ext: Any) -> tuple[Any, Any] | None:
+    """:func:`_dim_cells` by sorting every tensor's offsets and end."""
+    radix = int(ext.max(initial=0)) + 1
+    if radix * len(ext) > _MAX_KEY:
+        return None
+    tensor_ids = np.arange(len(ext), dtype=np.int64)
+    starts = tids * radix + off
+    bounds = sorted_unique(np.concatenate([starts, tensor_ids * radix + ext]))
+    pos = np.searchsorted(bounds, starts)
+    following = np.append(bounds, -1)[pos + 1]
+    if not (following == starts + sz).all():
+        return None
+    first = np.searchsorted(bounds, tensor_ids * radix)
+    cells = np.searchsorted(bounds, tensor_ids * radix + ext, side="right") - first - 1
+    return pos - first[tids], cells
 
 
 _MAX_KEY = 1 << 62
