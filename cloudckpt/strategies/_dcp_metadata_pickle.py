@@ -145,17 +145,15 @@ def _write_storage_columns(
     rec["path"] = paths[cols.path_ids]
     rec["start"] = cols.starts
     rec["length"] = cols.lengths
-    raw: bytes = rec.tobytes()
+    raw = memoryview(rec.view(np.uint8))  # written from the array itself, not copied first
     width = rec.dtype.itemsize
-    pieces: list[bytes] = []
     done = 0
     memo = (names, paths, memo_of_size)
     for i in np.flatnonzero(~plain).tolist():
-        pieces.append(raw[done * width : i * width])
-        pieces.append(_column_record(out, cols, i, memo))
+        out.write(raw[done * width : i * width])
+        out.write(_column_record(out, cols, i, memo))
         done = i + 1
-    pieces.append(raw[done * width :])
-    out.write(b"".join(pieces))
+    out.write(raw[done * width :])
     out.write(pickle.SETITEMS + pickle.POP)
     return sizes
 
@@ -519,8 +517,10 @@ def _record_array(parts: list[tuple[str, bytes | str]], n: int) -> Any:
     for name, part in parts:
         if isinstance(part, bytes):
             template[name] = part
-    # the constants copied as one repeated record (not field by field, strided)
-    return np.frombuffer(bytearray(template.tobytes() * n), dtype=dtype)
+    rec = np.empty(n, dtype=dtype)
+    whole = f"V{dtype.itemsize}"  # the constants copied as one record (not field by field)
+    rec.view(whole)[:] = template.view(whole)[0]
+    return rec
 
 
 def _records(
