@@ -287,7 +287,7 @@ def test_a_repeated_key_list_with_bytes_items_defers_to_dcp() -> None:
 def test_plans_send_their_keys_as_one_string() -> None:
     plans = _local_plans(sim.World(2, 2, 2, 16), 5)
     columns = PlanColumns.of(plans[0])
-    assert columns is not None and type(columns.keys) is str
+    assert columns is not None and type(columns.keys) is bytes
     assert columns.fqns == [item.index.fqn for item in plans[0].items]
     assert PlanColumns.of(SavePlan([])) is not None and PlanColumns.of(SavePlan([])).fqns == []
     # a key holding the separator: the plan goes as objects

@@ -22,6 +22,7 @@ the coordinator takes the object path for every rank (:func:`as_write_results`).
 from __future__ import annotations
 
 import array
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -410,10 +411,11 @@ class PlanColumns:
     coordinator takes DCP's step.
 
     Attributes:
-        keys: the items' keys (fqns) joined by ``"\\x00"`` (one string to send and
-            unpickle, not one per item; :attr:`fqns` splits it; a key holding the
-            separator makes the plan go as objects). DP replicas send equal strings:
-            the coordinator looks each distinct one up once.
+        keys: the items' keys (fqns) joined by ``"\\x00"``, UTF-8, zlib-compressed: one
+            small string to send and unpickle, not one object per item (:attr:`fqns`
+            gives them back; a key holding the separator makes the plan go as
+            objects). DP replicas send equal ones: the coordinator looks each distinct
+            one up once.
         types: per item, its ``WriteItemType`` value.
         sizes: the rank's distinct ``torch.Size`` values.
         offset_ids, size_ids, extent_ids: per item, ids into ``sizes`` of its chunk's
@@ -423,7 +425,7 @@ class PlanColumns:
         byte_items: the bytes items, by position.
     """
 
-    keys: str
+    keys: bytes
     types: bytes
     sizes: tuple[torch.Size, ...]
     offset_ids: array.array[int]
@@ -442,7 +444,8 @@ class PlanColumns:
     @property
     def fqns(self) -> list[str]:
         """Per item, its key."""
-        return self.keys.split(KEY_SEPARATOR) if self.types else []
+        joined = zlib.decompress(self.keys).decode("utf-8", "surrogatepass")
+        return joined.split(KEY_SEPARATOR) if self.types else []
 
     @classmethod
     def of(cls, plan: SavePlan) -> PlanColumns | None:
@@ -476,11 +479,11 @@ class PlanColumns:
                 return None
             for column, value in zip(ids, found, strict=True):
                 column[i] = value
-        keys = KEY_SEPARATOR.join(fqns)
-        if keys.count(KEY_SEPARATOR) != max(n - 1, 0):
+        joined = KEY_SEPARATOR.join(fqns)
+        if joined.count(KEY_SEPARATOR) != max(n - 1, 0):
             return None  # a key holds the separator
         return cls(
-            keys,
+            zlib.compress(joined.encode("utf-8", "surrogatepass"), 1),
             bytes(types),
             tuple(sizes),
             ids[0],

@@ -13,6 +13,7 @@ them (:func:`merge_extras`) into exactly what merging every rank's, in rank orde
 from __future__ import annotations
 
 import pickle
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,19 +21,21 @@ from typing import Any
 
 @dataclass(frozen=True)
 class PickledExtra:
-    """A rank's extra metadata, pickled (equal extras pickle to equal bytes: the
-    coordinator looks each distinct one up once)."""
+    """A rank's extra metadata, pickled and zlib-compressed (its keys repeat the
+    tensors' long names: a few times fewer bytes to send, for well under a millisecond
+    on the rank). Equal extras give equal bytes: the coordinator looks each distinct
+    one up once."""
 
     raw: bytes
 
     @classmethod
     def of(cls, extra: dict[str, Any]) -> PickledExtra:
-        return cls(pickle.dumps(extra, protocol=pickle.HIGHEST_PROTOCOL))
+        return cls(zlib.compress(pickle.dumps(extra, protocol=pickle.HIGHEST_PROTOCOL), 1))
 
     def value(self) -> dict[str, Any]:
         """The extra metadata (unpickled: it came from a rank of this job, as the
         plan that carried it)."""
-        out = pickle.loads(self.raw)
+        out = pickle.loads(zlib.decompress(self.raw))
         if not isinstance(out, dict):
             raise TypeError(f"a rank's extra metadata is a {type(out).__name__}, not a dict")
         return out

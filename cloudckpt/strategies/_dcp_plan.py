@@ -345,7 +345,7 @@ class _KeyTable:
         self.tensor_names: list[str] = []
         self.extents: list[torch.Size] = []
         self.sizes: dict[torch.Size, int] = {}
-        self._known: dict[str, Any] = {}  # a key list seen (joined): its key ids
+        self._known: dict[bytes, Any] = {}  # a key list seen (as sent): its key ids
 
     def add(self, plan: PlanColumns) -> tuple[Any, ...] | None:
         """Register one rank's items: per item its key's id; per tensor item (a mask
