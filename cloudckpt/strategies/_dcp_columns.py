@@ -336,7 +336,7 @@ class RecordColumns:
     def fill(self) -> None:
         """Fill each empty table with its records (for a caller that needs them as
         objects); a table's later record of the same offsets wins, as in a dict."""
-        if not any(not table for table in self.tables):
+        if all(self.tables):
             return
         points = self.points
         offsets = [points[o] for o in self.point_ids.tolist()]
