@@ -32,24 +32,16 @@ def _count_save_collectives(rank: int, world: int, root: str, backend: str) -> d
     from tests.test_multirank import check_tp, tp_state  # noqa: PLC0415
 
     uri = os.path.join(root, f"ckpt-{backend}")
-    names: list[str] = []
-    original = dist_guard.check_in
-
-    def counting(what: str, group: Any = None) -> None:
-        names.append(what)
-        original(what, group)
-
     state = tp_state(rank, tp=2)
     state["step"] = rank  # a common value that differs between ranks: rank 0's is saved
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("cloudckpt").addHandler(handler)
-    dist_guard.check_in = counting  # type: ignore[assignment]
     try:
-        cloudckpt.save(state, uri, sharded_strategy=(backend, 1))
+        with dist_guard.recorded_check_ins() as names:
+            cloudckpt.save(state, uri, sharded_strategy=(backend, 1))
     finally:
-        dist_guard.check_in = original  # type: ignore[assignment]
         logging.getLogger("cloudckpt").removeHandler(handler)
     loaded = cloudckpt.load(tp_state(rank, tp=2, empty=True), uri)
     check_tp(loaded, rank, tp=2)
@@ -117,7 +109,10 @@ def test_a_common_state_that_cannot_travel_fails_every_rank_before_the_claim(
 
 def _open_fails_on(rank: int, world: int, root: str, failing: int) -> str:
     """Rank ``failing`` cannot open the storage: every rank raises, naming it."""
-    from cloudckpt import session  # noqa: PLC0415
+    # imported before the patch: a module importing ``open_storage`` by name for the
+    # first time while it is patched would keep the broken one for the process's later
+    # scenarios (the rank pool's processes serve every multi-rank test)
+    from cloudckpt import load_session, serialization, session  # noqa: PLC0415, F401
     from tests.test_multirank import tp_state  # noqa: PLC0415
 
     original = session.open_storage
