@@ -158,21 +158,11 @@ def count_collectives(rank: int, world_size: int, size: int, run: str) -> dict[s
     state = build_state(spec, rank)
     _warm_up(rank, world_size, run)
     ckpt = _broadcast(f"{run}/ckpt-{uuid.uuid4().hex[:6]}" if rank == 0 else "")
-    names: list[str] = []
-    original = dist_guard.check_in
-
-    def counting(what: str, group: Any = None) -> None:
-        names.append(what)
-        original(what, group)
-
-    dist_guard.check_in = counting  # type: ignore[assignment]
-    try:
+    with dist_guard.recorded_check_ins() as names:
         cloudckpt.save(state, ckpt)
         saved = list(names)
         names.clear()
         cloudckpt.load(build_state(spec, rank, empty=True), ckpt)
-    finally:
-        dist_guard.check_in = original  # type: ignore[assignment]
     _remove(ckpt, rank)
     return {"save": saved, "load": list(names)}
 

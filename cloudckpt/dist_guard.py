@@ -187,6 +187,23 @@ def _guard(group: Any) -> _Guard:
     return _STATE.guards[ranks]
 
 
+_RECORDERS: list[list[str]] = []  # the lists of the recorded_check_ins blocks running
+
+
+@contextmanager
+def recorded_check_ins() -> Iterator[list[str]]:
+    """The name of each check-in (one per cloudckpt collective, see :func:`check_in`)
+    this process enters while the block runs, in order: to count and list a step's
+    collectives (the tests that bound them, ``benchmarks/profile_local.py
+    --collectives``)."""
+    names: list[str] = []
+    _RECORDERS.append(names)
+    try:
+        yield names
+    finally:
+        _RECORDERS[:] = [r for r in _RECORDERS if r is not names]
+
+
 def check_in(what: str, group: Any = None) -> None:
     """Collective: return when every rank of ``group`` checked in here; raise on every
     waiting rank when some did not within the bounds (:func:`current_bounds`).
@@ -202,6 +219,8 @@ def check_in(what: str, group: Any = None) -> None:
         RankLostError: a missing rank's heartbeat stopped for ``heartbeat_timeout_s``.
         CollectiveError: the store itself failed.
     """
+    for names in _RECORDERS:
+        names.append(what)
     guard = _guard(group)
     if len(guard.ranks) < 2:
         return

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
+import pytest
+
+from cloudckpt import dist_guard
 from cloudckpt.dist_guard import _naps, longest_nap
 
 
@@ -20,3 +24,17 @@ def test_the_pauses_double_up_to_the_longest():
     pauses = list(itertools.islice(_naps(4096), 12))
     assert pauses[0] == 0.0005 and pauses[-1] == 0.1
     assert all(b == min(2 * a, 0.1) for a, b in itertools.pairwise(pauses))
+
+
+def test_recorded_check_ins_list_each_blocks_check_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What tests and ``profile_local.py --collectives`` count: every check-in entered
+    while a block runs, nested blocks each their own, none after the block."""
+    monkeypatch.setattr(dist_guard, "_guard", lambda group: SimpleNamespace(ranks=[0]))
+    with dist_guard.recorded_check_ins() as outer:
+        dist_guard.check_in("first")
+        with dist_guard.recorded_check_ins() as inner:
+            dist_guard.check_in("second")
+        dist_guard.check_in("third")
+    dist_guard.check_in("after")
+    assert outer == ["first", "second", "third"] and inner == ["second"]
+    assert dist_guard._RECORDERS == []

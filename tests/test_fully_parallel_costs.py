@@ -36,15 +36,8 @@ def _costs_scenario(rank: int, world: int, base: str) -> dict[str, Any]:
     from tests.test_fully_parallel import _check_loaded, _dp_group, build_state  # noqa: PLC0415
 
     group = _dp_group(rank, "tp2dp2")
-    names: list[str] = []
-    current = [""]  # the checkpoint URI, shown as "URI" in the names
-    original_check_in = dist_guard.check_in
     original_load_from = TorchDistLoadShardedStrategy.load_from
     calls: list[int] = []
-
-    def counting_check_in(what: str, group: Any = None) -> None:
-        names.append(what.replace(current[0], "URI"))
-        original_check_in(what, group)
 
     def counting_load_from(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(1)
@@ -57,7 +50,6 @@ def _costs_scenario(rank: int, world: int, base: str) -> dict[str, Any]:
         TorchDistLoadShardedStrategy(), group, do_cache_distribution=True
     )
     out: dict[str, Any] = {}
-    dist_guard.check_in = counting_check_in  # type: ignore[assignment]
     TorchDistLoadShardedStrategy.load_from = counting_load_from  # type: ignore[method-assign]
     try:
         for label, saver, loader in [
@@ -65,19 +57,18 @@ def _costs_scenario(rank: int, world: int, base: str) -> dict[str, Any]:
             ("first", save, load),
             ("later", save, load),
         ]:
-            uri = current[0] = os.path.join(base, label)
-            names.clear()
-            cloudckpt.save(build_state(rank, "tp2dp2"), uri, sharded_strategy=saver)
-            out[f"{label}_save"] = list(names)
-            names.clear()
+            uri = os.path.join(base, label)
+            with dist_guard.recorded_check_ins() as names:
+                cloudckpt.save(build_state(rank, "tp2dp2"), uri, sharded_strategy=saver)
+            out[f"{label}_save"] = [n.replace(uri, "URI") for n in names]
             calls.clear()
             request = build_state(rank, "tp2dp2", empty=True)
-            loaded = cloudckpt.load(request, uri, loader)
-            out[f"{label}_load"] = list(names)
+            with dist_guard.recorded_check_ins() as names:
+                loaded = cloudckpt.load(request, uri, loader)
+            out[f"{label}_load"] = [n.replace(uri, "URI") for n in names]
             out[f"{label}_load_calls"] = len(calls)
             _check_loaded(loaded, rank, "tp2dp2")
     finally:
-        dist_guard.check_in = original_check_in  # type: ignore[assignment]
         TorchDistLoadShardedStrategy.load_from = original_load_from  # type: ignore[method-assign]
     return out
 

@@ -91,18 +91,8 @@ def _count_collectives(rank: int, world: int, root: str, backend: str) -> dict[s
 
     uri = os.path.join(root, f"ckpt-{backend}")
     cloudckpt.save(tp_state(rank, tp=2), uri, sharded_strategy=(backend, 1))
-    names: list[str] = []
-    original = dist_guard.check_in
-
-    def counting(what: str, group: Any = None) -> None:
-        names.append(what)
-        original(what, group)
-
-    dist_guard.check_in = counting  # type: ignore[assignment]
-    try:
+    with dist_guard.recorded_check_ins() as names:
         loaded = cloudckpt.load(tp_state(rank, tp=2, empty=True), uri)
-    finally:
-        dist_guard.check_in = original  # type: ignore[assignment]
     check_tp(loaded, rank, tp=2)
     return {"names": names}
 
