@@ -1,4 +1,4 @@
-"""Unique values of int arrays by sorting.
+"""Unique values and stable orders of int arrays by sorting.
 
 numpy 2.x's ``np.unique`` hashes when it can, which is many times slower than a sort on
 the coordinator's large int64 keys (tensor id times a radix plus an offset: 3.3 s against
@@ -23,6 +23,19 @@ def sorted_unique(values: Any) -> Any:
     keep[0] = True
     np.not_equal(values[1:], values[:-1], out=keep[1:])
     return values[keep]
+
+
+def stable_order(values: Any, bound: int) -> Any:
+    """``np.argsort(values, kind="stable")`` of a 1-d array of ints in ``[0, bound)``:
+    numpy's radix sort where they fit 16 bits (2-3x faster than its merge sort on int64
+    for millions of values, e.g. tensor or key ids), the merge sort otherwise."""
+    values = np.asarray(values)
+    if 0 < bound <= _RADIX_LIMIT:
+        values = values.astype(np.uint16)
+    return np.argsort(values, kind="stable")
+
+
+_RADIX_LIMIT = 1 << 16
 
 
 def unique_rows(rows: Any) -> tuple[Any, Any]:
@@ -58,4 +71,4 @@ def _row_order(rows: Any) -> Any:
 
 _KEY_LIMIT = 1 << 62
 
-__all__ = ["sorted_unique", "unique_rows"]
+__all__ = ["sorted_unique", "stable_order", "unique_rows"]

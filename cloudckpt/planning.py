@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cloudckpt.array_utils import stable_order
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.mapping import ShardedTensor, is_main_replica
 from cloudckpt.validation import chunk_index
@@ -186,9 +187,9 @@ def plan_flat_exchange(tables: Sequence[np.ndarray]) -> list[RankFlatPlan]:
     assembler_row = np.repeat(row[chosen], sizes)
     tag = position + 1
     remote = np.flatnonzero(rank != assembler)
-    by_sender = remote[_rank_order(rank[remote], world)]
+    by_sender = remote[stable_order(rank[remote], world)]
     sends = _split_by(rank[by_sender], world, row[by_sender], assembler[by_sender], tag[by_sender])
-    by_assembler = remote[_rank_order(assembler[remote], world)]
+    by_assembler = remote[stable_order(assembler[remote], world)]
     source = order[by_assembler]
     recvs = _split_by(
         assembler[by_assembler],
@@ -213,12 +214,6 @@ def _check_chunks(numel: np.ndarray, length: np.ndarray, first: np.ndarray) -> N
             f"{int(bad.sum())} flattened chunk(s) have pieces that overlap or disagree on "
             "the chunk's size; cannot plan their assembly"
         )
-
-
-def _rank_order(ranks: np.ndarray, world: int) -> np.ndarray:
-    """The stable order sorting ``ranks`` (a radix sort where ranks fit 16 bits)."""
-    small = ranks.astype(np.int16) if world <= np.iinfo(np.int16).max else ranks
-    return np.argsort(small, kind="stable")
 
 
 def _split_by(owner: np.ndarray, world: int, *columns: np.ndarray) -> list[np.ndarray]:

@@ -1,11 +1,11 @@
-"""array_utils: np.unique's results by sorting."""
+"""array_utils: np.unique's results and stable orders by sorting."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cloudckpt.array_utils import sorted_unique, unique_rows
+from cloudckpt.array_utils import sorted_unique, stable_order, unique_rows
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
@@ -30,3 +30,12 @@ def test_unique_rows_equals_np_unique(n: int, high: int) -> None:
     assert distinct.tolist() == expected.tolist()
     assert inverse.tolist() == expected_inverse.ravel().tolist()
     assert (distinct[inverse] == rows).all()
+
+
+@pytest.mark.parametrize("bound", [1, 7, 1 << 16, (1 << 16) + 1, 1 << 40])
+def test_stable_order_equals_a_stable_argsort(bound: int) -> None:
+    """The radix sort (ids below 2**16) and the merge sort give numpy's stable order:
+    equal ids keep their order (the ranks' items stay in rank order)."""
+    values = np.random.default_rng(bound).integers(0, bound, 5000)
+    values[:50] = bound - 1  # the largest id, on both sides of the 16-bit limit
+    assert stable_order(values, bound).tolist() == np.argsort(values, kind="stable").tolist()

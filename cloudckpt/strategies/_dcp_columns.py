@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
+from cloudckpt.array_utils import stable_order
 from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
 
 #: a record table: per chunk offsets, (start, nbytes) of its elements within the item
@@ -292,7 +293,7 @@ def _record_tables(cols: StorageColumns, starts: Any, nbytes: Any) -> RecordColu
     (start, nbytes)}``, as the writer's object path builds them), in item order, as
     :class:`RecordColumns`."""
     chosen = np.flatnonzero((starts >= 0) & (cols.offset_ids >= 0))
-    order = chosen[np.argsort(cols.key_ids[chosen], kind="stable")]
+    order = chosen[stable_order(cols.key_ids[chosen], len(cols.names))]
     keys = cols.key_ids[order]
     cut = np.flatnonzero(np.diff(keys)) + 1
     bounds = np.concatenate([[0], cut, [len(order)]]) if len(order) else np.zeros(1, np.int64)
