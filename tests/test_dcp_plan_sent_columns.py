@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 import cloudckpt
 from cloudckpt.storage import open_checkpoint
@@ -125,6 +125,34 @@ def test_defers_to_dcp_on_duplicates() -> None:
     byte_item = next(i for i in plans[0].items if i.tensor_data is None)
     twice = [plans[0], dataclasses.replace(plans[1], items=[*plans[1].items, byte_item])]
     assert linear_global_columns(_sent(twice)) is None
+
+
+def _with_scalar(plan: SavePlan, shard: bool) -> SavePlan:
+    """``plan`` with a 0-d tensor's item (a chunk of no dimensions) added."""
+    local = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    local.set_up_planner({"step": torch.tensor(3.0)}, is_coordinator=False)
+    (item,) = local.create_local_plan().items
+    if shard:
+        item = dataclasses.replace(item, type=WriteItemType.SHARD)
+    return dataclasses.replace(plan, items=[*plan.items, item])
+
+
+def test_zero_dimensional_tensors_are_checked_with_the_others() -> None:
+    """Tensors of every rank are checked in one pass (padded to the largest): a 0-d
+    tensor's one chunk is valid and planned as DCP plans it; the same 0-d chunk sent by
+    two ranks is left to DCP."""
+    plans = _local_plans(sim.World(2, 1, 1, 16), 5)
+    with_scalar = [_with_scalar(plans[0], shard=False), plans[1]]
+    fast = linear_global_columns(_sent(with_scalar))
+    assert fast is not None
+    fast.chunks.fill()
+    expected = _dcp(with_scalar)[1]
+    assert repr(fast.metadata) == repr(expected) and fast.metadata == expected
+    assert len(fast.metadata.state_dict_metadata["step"].chunks) == 1
+    twice = [_with_scalar(plan, shard=True) for plan in plans]
+    assert linear_global_columns(_sent(twice)) is None
+    assert linear_global_save_plan(twice) is None  # the step on objects too
+    assert linear_global_save_plan(with_scalar) is not None
 
 
 @pytest.mark.parametrize(

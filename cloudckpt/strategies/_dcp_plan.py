@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from cloudckpt.array_utils import sorted_unique
+from cloudckpt.array_utils import sorted_unique, stable_order
 from cloudckpt.strategies._dcp_columns import ChunkColumns, PlanColumns, PlanKeys
 
 _STORAGE = BytesStorageMetadata | TensorStorageMetadata
@@ -141,6 +141,8 @@ def _plan_hints(
             return None
         if index.offset is not offsets and index.offset != offsets:
             return None  # the index names another chunk: DCP decides
+        if not ndim and chunks:
+            return None  # a 0-d tensor's second chunk (its columns are not checked)
         hints.append(len(chunks))
         chunks.append(chunk)
         col.tids.append(tid)
@@ -421,19 +423,17 @@ class _KeyTable:
         if matrix is None or extents is None:
             return None
         (pool_ndim, pool_rows), (ndim, ext_rows) = matrix, extents
-        if not ((pool_ndim[off] == ndim[tid]).all() and (pool_ndim[sz] == ndim[tid]).all()):
+        chunk_ndim = ndim[tid]
+        if not ((pool_ndim[off] == chunk_ndim).all() and (pool_ndim[sz] == chunk_ndim).all()):
             return None  # a chunk whose rank differs from its tensor's: DCP decides
-        for d in sorted_unique(ndim).tolist():
-            if d == 0:
-                continue
-            of_d = np.flatnonzero(ndim == d)
-            local = np.full(len(ndim), -1, dtype=np.int64)
-            local[of_d] = np.arange(len(of_d))
-            mask = ndim[tid] == d
-            rows = (pool_rows[off[mask], :d], pool_rows[sz[mask], :d], ext_rows[of_d, :d])
-            if not _valid_arrays(*rows, local[tid[mask]], check_fill):
-                return None
-        order = np.argsort(tid, kind="stable")
+        width = max(int(ndim.max(initial=0)), 1)  # every rank padded to one (0-d: 1-d)
+        chunk_off = _padded(pool_rows, pool_ndim, width, 0)[off]
+        chunk_sz = _padded(pool_rows, pool_ndim, width, 1)[sz]
+        extent = _padded(ext_rows, ndim, width, 1)
+        if not _valid_arrays(chunk_off, chunk_sz, extent, tid, check_fill):
+            return None
+        del chunk_off, chunk_sz, chunk_ndim
+        order = stable_order(tid, len(self.values))
         ordered = tid[order]
         starts = np.searchsorted(ordered, np.arange(len(self.values) + 1))
         hint_all = np.empty(len(tid), dtype=np.int64)
@@ -470,6 +470,18 @@ def _size_matrix(sizes: Sequence[torch.Size]) -> tuple[Any, Any] | None:
     except (OverflowError, TypeError, ValueError):
         return None
     return ndim, rows.reshape(len(sizes), width)
+
+
+def _padded(rows: Any, ndim: Any, width: int, fill: int) -> Any:
+    """``rows`` of :func:`_size_matrix` (ranks ``ndim``) as ``width`` columns, ``fill``
+    past each row's rank: a dimension of one cell (offset 0, size and extent 1) leaves
+    every check of :func:`_valid_arrays` as it is, so tensors of all ranks are checked
+    at once."""
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    used = min(width, rows.shape[1])
+    out[:, :used] = rows[:, :used]
+    out[np.arange(width)[None, :] >= ndim[:, None]] = fill
+    return out
 
 
 def share_equal_sizes(plan: SavePlan) -> SavePlan:
