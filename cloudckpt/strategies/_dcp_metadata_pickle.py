@@ -449,17 +449,26 @@ def _write_chunk_columns(
     rec = _record_array(parts, len(chunks.offset_ids))
     rec["offsets"] = memo_of[chunks.offset_ids]
     rec["sizes"] = memo_of[chunks.size_ids]
-    raw, width = rec.tobytes(), rec.dtype.itemsize
-    pieces = []
-    done = 0
-    for chunk_list, count in zip(chunks.lists, lengths, strict=True):
-        pieces.append(pickle.EMPTY_LIST + pickle.MEMOIZE + pickle.MARK)
-        pieces.append(raw[done * width : (done + count) * width])
-        pieces.append(pickle.APPENDS + pickle.POP)
+    head, tail = pickle.EMPTY_LIST + pickle.MEMOIZE + pickle.MARK, pickle.APPENDS + pickle.POP
+    for chunk_list in chunks.lists:
         out.memo[id(chunk_list)] = (len(out.memo), chunk_list)
-        done += count
-    out.write(b"".join(pieces))
+    _write_runs(out, rec, chunks.bounds.tolist(), head, tail)
     return True
+
+
+def _write_runs(out: _Stream, rec: Any, bounds: list[int], head: bytes, tail: bytes) -> None:
+    """The records ``rec[bounds[i]:bounds[i + 1]]`` one run after another, each between
+    ``head`` and ``tail``, written from the array's memory (no copy of it first)."""
+    if len(bounds) < 2:
+        return
+    raw, width = memoryview(rec.view(np.uint8)), rec.dtype.itemsize
+    between = tail + head
+    out.write(head)
+    for i in range(len(bounds) - 1):
+        if i:
+            out.write(between)
+        out.write(raw[bounds[i] * width : bounds[i + 1] * width])
+    out.write(tail)
 
 
 def _write_record_columns(out: _Stream, records: RecordColumns) -> bool:
@@ -491,15 +500,9 @@ def _write_record_columns(out: _Stream, records: RecordColumns) -> bool:
     rec["point"] = memo[records.point_ids]
     rec["start"] = records.starts
     rec["nbytes"] = records.nbytes
-    raw, width = rec.tobytes(), rec.dtype.itemsize
-    pieces = []
-    bounds = records.bounds.tolist()
-    for t, table in enumerate(records.tables):
-        pieces.append(pickle.EMPTY_DICT + pickle.MEMOIZE)
-        pieces.append(raw[bounds[t] * width : bounds[t + 1] * width])
-        pieces.append(pickle.POP)
+    for table in records.tables:
         out.memo[id(table)] = (len(out.memo), table)
-    out.write(b"".join(pieces))
+    _write_runs(out, rec, records.bounds.tolist(), pickle.EMPTY_DICT + pickle.MEMOIZE, pickle.POP)
     return True
 
 
