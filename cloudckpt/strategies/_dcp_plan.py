@@ -235,7 +235,8 @@ def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool
     several = count[tids] >= 2
     if not several.any():
         return True
-    tids, off, sz = tids[several], off[several], sz[several]
+    if not several.all():  # else no copy (every chunk shares its tensor: the usual case)
+        tids, off, sz = tids[several], off[several], sz[several]
     cell = np.zeros(len(tids), dtype=np.int64)  # the chunk's cell within its tensor
     per_tensor = np.ones(len(ext), dtype=np.int64)  # each tensor's cells so far
     for dim in range(off.shape[1]):
