@@ -54,6 +54,13 @@ coordinator receives ranks x that) and ``commit_digest`` (the all-gathered diges
 Building the inputs (the layouts, the per-rank local steps) is not timed. The figures are
 one core's time for what the coordinator
 does, not a distributed run; on a shared machine they are provisional.
+
+Each row's line also says how much of its time the kernel took (``ru_stime``; with
+``--json``, ``kernel_seconds`` per step): at scale mostly faulting in the pages of new
+arrays, whose cost depends on the host's transparent huge page settings and on numpy
+advising huge pages for arrays of 4 MiB and more (``NUMPY_MADVISE_HUGEPAGE``, read at
+import): the first line prints both. Where ``defrag`` is ``madvise``, an advised fault
+may wait for the kernel to compact memory (numpy/numpy#31590).
 """
 
 from __future__ import annotations
@@ -67,12 +74,15 @@ import json
 import math
 import os
 import pickle
+import re
+import resource
 import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
@@ -213,6 +223,8 @@ class Row:
     pp: int
     dp: int
     seconds: dict[str, float] = field(default_factory=dict)
+    kernel_seconds: dict[str, float] = field(default_factory=dict)
+    """Of ``seconds``, the time in the kernel (mostly faulting in new arrays' pages)."""
     bytes_per_rank: dict[str, int] = field(default_factory=dict)
     bytes_received: dict[str, int] = field(default_factory=dict)
     """Bytes a rank other than the coordinator receives, per scatter."""
@@ -244,10 +256,32 @@ class Row:
 
 
 def _timed(row: Row, step: str, fn: Callable[[], _T]) -> _T:
+    kernel = _kernel_seconds()
     started = time.process_time()  # this process's CPU time: robust on a shared machine
     out = fn()
     row.seconds[step] = row.seconds.get(step, 0.0) + time.process_time() - started
+    row.kernel_seconds[step] = row.kernel_seconds.get(step, 0.0) + _kernel_seconds() - kernel
     return out
+
+
+def _kernel_seconds() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
+def memory_settings() -> str:
+    """What decides the kernel's share: the transparent huge page settings and whether
+    numpy advises huge pages for large arrays (``NUMPY_MADVISE_HUGEPAGE``)."""
+    thp = []
+    for name in ("enabled", "defrag"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                chosen = re.search(r"\[(\w[\w+]*)\]", f.read())
+            thp.append(f"{name}={chosen.group(1) if chosen else '?'}")
+        except OSError:
+            thp.append(f"{name}=?")
+    getter = getattr(getattr(np, "_core", np).multiarray, "_get_madvise_hugepage", None)
+    advised = "?" if getter is None else str(bool(getter()))
+    return f"transparent huge pages: {' '.join(thp)}; numpy advises huge pages: {advised}"
 
 
 def _exchange(row: Row, step: str, name: str, payloads: Iterable[Any]) -> list[Any]:
@@ -607,6 +641,7 @@ def main() -> None:
     args = parser.parse_args()
     core = pin_one_core()
     print(f"pinned to core {core} (os.sched_setaffinity); seconds on one core, provisional")
+    print(memory_settings())
     grid = [(r, max(args.tensors)) for r in args.ranks]
     grid += [(max(args.ranks), t) for t in args.tensors if t != max(args.tensors)]
     rows = []
@@ -614,7 +649,12 @@ def main() -> None:
         for ranks, tensors in grid:
             world = world_of(ranks, args.tp, args.pp)
             rows.append(simulate(backend, world, tensors, pause_gc=not args.gc_on))
-            print(f"  {backend} {ranks} x {tensors}: {rows[-1].total:.2f} s", flush=True)
+            kernel = sum(rows[-1].kernel_seconds.values())
+            print(
+                f"  {backend} {ranks} x {tensors}: {rows[-1].total:.2f} s"
+                f" ({kernel:.2f} s of it in the kernel)",
+                flush=True,
+            )
     print()
     print_table(rows)
     if args.json:

@@ -92,6 +92,17 @@ def test_simulated_layout_is_valid(backend):
     sim.check(sim.gathered_metadata(sim.World(tp=4, pp=2, dp=4), 40), backend)
 
 
+def test_each_step_reports_its_kernel_time_and_the_memory_settings():
+    """The kernel's share of each step (page faults of new arrays: large where numpy's
+    huge-page advice makes the kernel compact memory) is reported beside its time."""
+    row = sim.simulate("torch_dist", sim.World(tp=2, pp=2, dp=2), 20)
+    assert set(row.kernel_seconds) == set(row.seconds) == {"gather", "validate", "plan", "merge"}
+    assert all(v >= 0 for v in row.kernel_seconds.values())
+    settings = sim.memory_settings()
+    assert "transparent huge pages: enabled=" in settings
+    assert "numpy advises huge pages: " in settings
+
+
 def test_validation_catches_an_injected_overlap_and_a_missing_shard():
     world = sim.World(tp=4, pp=2, dp=4)
     gathered = sim.gathered_metadata(world, 40)
