@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cloudckpt.array_utils import without_huge_page_advice
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from cloudckpt.errors import (
     CheckpointingException,
@@ -385,6 +386,7 @@ def tensor_piece(digests: Sequence[bytes], rank: int) -> tuple[int, int]:
     return list(digests[:rank]).count(mine), list(digests).count(mine)
 
 
+@without_huge_page_advice()
 def build_manifest(gathered: Sequence[CommitRecord], backends: CheckpointingConfig) -> Manifest:
     """The coordinator's merge of every rank's commit record (indexed by rank) into the
     manifest (pure).

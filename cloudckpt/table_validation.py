@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cloudckpt.array_utils import sorted_unique, unique_rows
+from cloudckpt.array_utils import sorted_unique, unique_rows, without_huge_page_advice
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.keys import KeyLayout, KeySet, gather_keys, key_set, validate_key_set
 from cloudckpt.mapping import ShardedBase
@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 _CELL_LIMIT = 1 << 62  # chunk id x (range bound + 1) must stay below this (int64)
 
 
+@without_huge_page_advice()
 def check_gathered_tables(
     tables: Sequence[ShardTable],
     layout: KeyLayout,
@@ -87,6 +88,7 @@ def check_gathered_tables(
     _check_unproven(gathered, uri, regular_grid_for)
 
 
+@without_huge_page_advice()
 def check_gathered_sharding(
     tables: Sequence[ShardTable], uri: str, regular_grid_for: str | None = None
 ) -> None:

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
+from cloudckpt.array_utils import without_huge_page_advice
 from cloudckpt.strategies._dcp_columns import (
     ChunkColumns,
     ItemResultColumns,
@@ -393,6 +394,7 @@ def plans_in_columns(planner: SavePlanner, writer: StorageWriter) -> bool:
     )
 
 
+@without_huge_page_advice()
 def global_step_columns(
     planner: SavePlanner, writer: StorageWriter, sent: list[SavePlan | PlanColumns]
 ) -> tuple[Metadata, list[PlanKeys], list[GlobalPlanUpdate], ChunkColumns] | None:

@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from torch.futures import Future
 
+from cloudckpt.array_utils import without_huge_page_advice
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
@@ -330,6 +331,7 @@ class CloudStorageWriter(StorageWriter):
         if self.write_metadata:
             self.results.append(self.storage.write(METADATA_FNAME, dumps_metadata(metadata)))
 
+    @without_huge_page_advice()
     def finish_columns(
         self,
         metadata: Metadata,
