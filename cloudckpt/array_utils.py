@@ -1,5 +1,4 @@
-"""Unique values and stable orders of int arrays by sorting, and the page advice of the
-coordinator's large temporary arrays.
+"""Unique values and stable orders of int arrays by sorting.
 
 numpy 2.x's ``np.unique`` hashes when it can, which is many times slower than a sort on
 the coordinator's large int64 keys (tensor id times a radix plus an offset: 3.3 s against
@@ -10,18 +9,9 @@ results (sorted distinct values, the inverse) from one sort.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-
-try:
-    from numpy._core import multiarray as _multiarray
-except ImportError:  # numpy 1.x
-    from numpy.core import multiarray as _multiarray  # type: ignore[no-redef]
 
 
 def sorted_unique(values: Any) -> Any:
@@ -82,63 +72,4 @@ def _row_order(rows: Any) -> Any:
 _KEY_LIMIT = 1 << 62
 
 
-class _HugePageAdvice:
-    """numpy's huge page advice, turned off while at least one user is inside."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved = True
-
-    def enter(self, setter: Callable[[bool], Any]) -> None:
-        with self._lock:
-            if self._users == 0:
-                self._saved = bool(setter(False))
-            self._users += 1
-
-    def leave(self, setter: Callable[[bool], Any]) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                setter(self._saved)
-
-
-_ADVICE = _HugePageAdvice()
-
-
-@contextlib.contextmanager
-def without_huge_page_advice() -> Iterator[None]:
-    """Within: numpy does not advise transparent huge pages for new arrays (usable as a
-    decorator too).
-
-    numpy advises huge pages (``madvise(MADV_HUGEPAGE)``) for every array of 4 MiB and
-    more. Where the kernel's ``transparent_hugepage/defrag`` is ``madvise`` (a common
-    default), faulting such an array in may wait for the kernel to reclaim and compact
-    memory (numpy/numpy#31590). The coordinator's steps at scale make many short-lived
-    arrays of tens of MB: at 4,096 simulated ranks x 2,000 tensors the advice cost them
-    2 s of 7.6 (``benchmarks/bench_simulate.py``). So they run without it: the pages
-    the kernel gives without advice. Left as it is where the process sets
-    ``NUMPY_MADVISE_HUGEPAGE`` (its own choice) or numpy has no such switch. Nested and
-    concurrent uses share one switch: the first in turns the advice off, the last out
-    restores it."""
-    setter = _advice_setter()
-    if setter is None:
-        yield
-        return
-    _ADVICE.enter(setter)
-    try:
-        yield
-    finally:
-        _ADVICE.leave(setter)
-
-
-def _advice_setter() -> Callable[[bool], Any] | None:
-    """numpy's (private) switch of its huge page advice; None where the process chose
-    it (``NUMPY_MADVISE_HUGEPAGE``) or numpy has none."""
-    if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
-        return None
-    setter: Callable[[bool], Any] | None = getattr(_multiarray, "_set_madvise_hugepage", None)
-    return setter
-
-
-__all__ = ["sorted_unique", "stable_order", "unique_rows", "without_huge_page_advice"]
+__all__ = ["sorted_unique", "stable_order", "unique_rows"]

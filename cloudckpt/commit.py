@@ -30,7 +30,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cloudckpt.array_utils import without_huge_page_advice
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from cloudckpt.errors import (
     CheckpointingException,
@@ -39,6 +38,7 @@ from cloudckpt.errors import (
     ObjectExistsError,
     UncommittedCheckpointError,
 )
+from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.manifest import (
     CLAIM_FNAME,
     MANIFEST_FNAME,

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cloudckpt.array_utils import stable_order, without_huge_page_advice
+from cloudckpt.array_utils import stable_order
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.mapping import ShardedTensor, is_main_replica
 from cloudckpt.validation import chunk_index
 

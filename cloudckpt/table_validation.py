@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cloudckpt.array_utils import sorted_unique, unique_rows, without_huge_page_advice
+from cloudckpt.array_utils import sorted_unique, unique_rows
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.keys import KeyLayout, KeySet, gather_keys, key_set, validate_key_set
 from cloudckpt.mapping import ShardedBase
 from cloudckpt.shard_table import (

@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from typing import Any
-
 import numpy as np
 import pytest
 
-from cloudckpt import array_utils, table_validation
-from cloudckpt.array_utils import (
-    sorted_unique,
-    stable_order,
-    unique_rows,
-    without_huge_page_advice,
-)
-from cloudckpt.keys import KeyLayout
+from cloudckpt.array_utils import sorted_unique, stable_order, unique_rows
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
@@ -50,76 +39,3 @@ def test_stable_order_equals_a_stable_argsort(bound: int) -> None:
     values = np.random.default_rng(bound).integers(0, bound, 5000)
     values[:50] = bound - 1  # the largest id, on both sides of the 16-bit limit
     assert stable_order(values, bound).tolist() == np.argsort(values, kind="stable").tolist()
-
-
-def _advised() -> bool:
-    return bool(array_utils._multiarray._get_madvise_hugepage())
-
-
-@pytest.fixture
-def advice_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """numpy's huge page advice on (as by default on Linux), restored afterwards."""
-    monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
-    before = array_utils._multiarray._set_madvise_hugepage(True)
-    yield
-    array_utils._multiarray._set_madvise_hugepage(before)
-
-
-def test_the_advice_is_off_within_and_restored_after(advice_on: None) -> None:
-    with without_huge_page_advice():
-        assert not _advised()
-        with without_huge_page_advice():  # nested
-            assert not _advised()
-        assert not _advised()
-    assert _advised()
-
-
-def test_overlapping_threads_restore_the_advice_once_both_are_out(advice_on: None) -> None:
-    """Two threads inside at once, leaving in the order they entered: the advice stays
-    off until the last leaves (saving and restoring per use would end it off)."""
-    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
-    seen: list[bool] = []
-
-    def first() -> None:
-        with without_huge_page_advice():
-            first_in.set()
-            second_in.wait(5)
-        first_out.set()
-
-    def second() -> None:
-        first_in.wait(5)
-        with without_huge_page_advice():
-            second_in.set()
-            first_out.wait(5)
-            seen.append(_advised())
-
-    threads = [threading.Thread(target=f) for f in (first, second)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert seen == [False]
-    assert _advised()
-
-
-def test_a_process_that_chose_its_advice_keeps_it(
-    advice_on: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", "1")
-    with without_huge_page_advice():
-        assert _advised()
-
-
-def test_the_coordinators_checks_run_without_the_advice(
-    advice_on: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen: list[bool] = []
-
-    def spy(tables: Any) -> None:
-        seen.append(_advised())
-
-    monkeypatch.setattr(table_validation.Gathered, "of", staticmethod(spy))
-    monkeypatch.setattr(table_validation, "check_shards", lambda *a, **k: None)
-    monkeypatch.setattr(table_validation, "rebuild_shards", lambda t: t)
-    table_validation.check_gathered_tables([], KeyLayout(False, False), "memory://x", 0)
-    assert seen == [False] and _advised()

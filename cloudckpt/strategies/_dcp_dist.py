@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
-from cloudckpt.array_utils import without_huge_page_advice
+from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.strategies._dcp_columns import (
     ChunkColumns,
     ItemResultColumns,

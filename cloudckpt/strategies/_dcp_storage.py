@@ -57,13 +57,13 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from torch.futures import Future
 
-from cloudckpt.array_utils import without_huge_page_advice
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
     MalformedCheckpointError,
     UnsafePickleError,
 )
+from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
