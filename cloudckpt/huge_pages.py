@@ -45,9 +45,10 @@ def without_huge_page_advice() -> Iterator[None]:
     more. Where the kernel's ``transparent_hugepage/defrag`` is ``madvise`` (a common
     default), faulting such an array in may wait for the kernel to reclaim and compact
     memory (numpy/numpy#31590). The coordinator's steps at scale make many short-lived
-    arrays of tens of MB: at 4,096 simulated ranks x 2,000 tensors the advice cost them
-    2 s of 7.6 (``benchmarks/bench_simulate.py``). So they run without it: the pages
-    the kernel gives without advice. Left as it is where the process sets
+    arrays of tens of MB: at 4,096 simulated ranks x 2,000 tensors, running them without
+    it took 7.59 s to 6.02 (5.57 with the advice off for the whole process;
+    ``benchmarks/bench_simulate.py``). So they run without it: the pages the kernel
+    gives without advice. Left as it is where the process sets
     ``NUMPY_MADVISE_HUGEPAGE`` (its own choice) or numpy has no such switch. The switch
     is numpy's, for the whole process: arrays other threads make meanwhile (the training
     loop's, during an async save's finish) get no advice either, only the kernel's
