@@ -46,7 +46,7 @@ def without_huge_page_advice() -> Iterator[None]:
     default), faulting such an array in may wait for the kernel to reclaim and compact
     memory (numpy/numpy#31590). The coordinator's steps at scale make many short-lived
     arrays of tens of MB: at 4,096 simulated ranks x 2,000 tensors, running them without
-    it took 7.59 s to 6.02 (5.57 with the advice off for the whole process;
+    it took 7.59 s to 5.56-6.02 (5.57 with the advice off for the whole process;
     ``benchmarks/bench_simulate.py``). So they run without it: the pages the kernel
     gives without advice. Left as it is where the process sets
     ``NUMPY_MADVISE_HUGEPAGE`` (its own choice) or numpy has no such switch. The switch
