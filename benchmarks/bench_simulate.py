@@ -82,7 +82,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
@@ -91,6 +90,7 @@ from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from cloudckpt.commit import COORDINATOR, build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
+from cloudckpt.huge_pages import numpy_advises_huge_pages
 from cloudckpt.keys import KeyLayout
 from cloudckpt.manifest import CommitRecord, Manifest
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
@@ -279,8 +279,8 @@ def memory_settings() -> str:
             thp.append(f"{name}={chosen.group(1) if chosen else '?'}")
         except OSError:
             thp.append(f"{name}=?")
-    getter = getattr(getattr(np, "_core", np).multiarray, "_get_madvise_hugepage", None)
-    advised = "?" if getter is None else str(bool(getter()))
+    advises = numpy_advises_huge_pages()
+    advised = "?" if advises is None else str(advises)
     return f"transparent huge pages: {' '.join(thp)}; numpy advises huge pages: {advised}"
 
 

@@ -74,6 +74,13 @@ def _advice_setter() -> Callable[[bool], Any] | None:
     return setter
 
 
+def numpy_advises_huge_pages() -> bool | None:
+    """Whether numpy advises huge pages for new large arrays now; None where numpy
+    cannot say (no such query)."""
+    getter = getattr(_multiarray(), "_get_madvise_hugepage", None)
+    return None if getter is None else bool(getter())
+
+
 def _multiarray() -> Any:
     """numpy's ``multiarray`` module, imported on first use (commands that handle no
     arrays import no numpy)."""
@@ -83,4 +90,4 @@ def _multiarray() -> Any:
         return importlib.import_module("numpy.core.multiarray")
 
 
-__all__ = ["without_huge_page_advice"]
+__all__ = ["numpy_advises_huge_pages", "without_huge_page_advice"]

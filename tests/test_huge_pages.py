@@ -15,7 +15,7 @@ from cloudckpt.keys import KeyLayout
 
 
 def _advised() -> bool:
-    return bool(huge_pages._multiarray()._get_madvise_hugepage())
+    return bool(huge_pages.numpy_advises_huge_pages())
 
 
 @pytest.fixture
