@@ -1,5 +1,5 @@
 """The coordinator's check that a torch_dist save's chunks tile their tensors on a grid
-(cloudckpt.strategies._dcp_plan._valid_arrays / _on_grid_columns), against a
+(cloudckpt.strategies._dcp_grid.valid_chunks), against a
 brute-force painting of every cell: it proves only exact tilings, proves every grid
 (whole, evenly split and unevenly split dimensions, chunks in any order), and sorts
 only the unevenly split dimensions."""
@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloudckpt.strategies import _dcp_plan
-from cloudckpt.strategies._dcp_plan import _valid_arrays, linear_global_columns
+from cloudckpt.strategies import _dcp_grid
+from cloudckpt.strategies._dcp_grid import GridChunks, valid_chunks
+from cloudckpt.strategies._dcp_plan import linear_global_columns
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_simulate as sim
@@ -29,12 +30,12 @@ Tensor = tuple[tuple[int, ...], list[Chunk]]
 
 
 def _checked(tensors: list[Tensor], check_fill: bool = True) -> bool:
-    """``_valid_arrays`` on tensors of one rank (dimensions), each (size, chunks)."""
+    """``valid_chunks`` on tensors of one rank (dimensions), each (size, chunks)."""
     tids = [t for t, (_, chunks) in enumerate(tensors) for _ in chunks]
     off = [c[0] for _, chunks in tensors for c in chunks]
     sz = [c[1] for _, chunks in tensors for c in chunks]
     arrays = (np.array(a, dtype=np.int64) for a in (off, sz, [s for s, _ in tensors], tids))
-    return _valid_arrays(*arrays, check_fill)
+    return valid_chunks(GridChunks.of_rows(*arrays), check_fill)
 
 
 def _painted(tensors: list[Tensor]) -> bool:
@@ -90,8 +91,16 @@ def _damaged(chunks: list[Chunk], rng: random.Random) -> list[Chunk]:
     return chunks
 
 
+@pytest.fixture(params=[None, 2], ids=["blocks", "two-chunk-blocks"])
+def rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks' passes in their own blocks, or in blocks of two chunks (every
+    check then spans blocks)."""
+    if request.param is not None:
+        monkeypatch.setattr(_dcp_grid, "_ROWS", request.param)
+
+
 @pytest.mark.parametrize("seed", range(300))
-def test_grids_are_proven_and_nothing_else(seed: int) -> None:
+def test_grids_are_proven_and_nothing_else(seed: int, rows: None) -> None:
     rng = random.Random(seed)
     ndim = rng.randrange(1, 4)
     tensors: list[Tensor] = []
@@ -111,13 +120,13 @@ def test_grids_are_proven_and_nothing_else(seed: int) -> None:
 
 def _counting_sorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = _dcp_plan._sorted_cells
+    real = _dcp_grid._sorted_cells
 
     def spy(*args: Any) -> Any:
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(_dcp_plan, "_sorted_cells", spy)
+    monkeypatch.setattr(_dcp_grid, "_sorted_cells", spy)
     return calls
 
 
@@ -140,7 +149,7 @@ def test_the_simulated_layouts_are_proven_without_a_sort(monkeypatch: pytest.Mon
     assert sorts == []
 
 
-def test_cells_are_numbered_within_each_tensor() -> None:
+def test_cells_are_numbered_within_each_tensor(rows: None) -> None:
     """Many tensors split in every dimension: the cells' numbers stay below the chunks'
     count (numbering them over all tensors at once would overflow int64 at scale)."""
     rng = random.Random(1)
@@ -148,3 +157,17 @@ def test_cells_are_numbered_within_each_tensor() -> None:
     assert _checked(tensors)
     tensors[-1] = (tensors[-1][0], [*tensors[-1][1], tensors[-1][1][0]])  # one chunk twice
     assert not _checked(tensors, check_fill=False)
+
+
+def test_sparse_grids_are_told_apart_by_sorting(rows: None) -> None:
+    """One plan (no volume check): chunks on the diagonal of a grid of 1,600 cells, more
+    than a count per cell is worth; a chunk twice is still found."""
+    diagonal = [((i, i), (1, 1)) for i in range(40)]
+    assert _checked([((40, 40), diagonal)], check_fill=False)
+    assert not _checked([((40, 40), [*diagonal, diagonal[7]])], check_fill=False)
+    assert not _checked([((40, 40), diagonal)])  # with the volume: a tenth covered
+
+
+def test_offsets_past_int64_are_left_to_dcp(rows: None) -> None:
+    """An offset near 2**63 (its sum with the size would wrap around) is not proven."""
+    assert not _checked([((4,), [((2**63 - 1,), (2,)), ((0,), (4,))])], check_fill=False)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies import _dcp_dist
+from cloudckpt.strategies import _dcp_dist, _dcp_metadata_pickle
 from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanKeys, as_write_results
 from cloudckpt.strategies._dcp_dist import column_keys, create_global_plan, writes_columns
 from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
@@ -67,8 +67,13 @@ def _key_view(md: Metadata) -> dict[Any, Any]:
     return {(k.fqn, k.offset, k.index): vars(v) for k, v in md.storage_data.items()}
 
 
+@pytest.mark.parametrize("rows", [None, 5], ids=["blocks", "five-item-blocks"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_metadata_from_columns_is_the_object_paths_and_dcps(world, tmp_path: Path) -> None:
+def test_metadata_from_columns_is_the_object_paths_and_dcps(
+    world: sim.World, rows: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if rows is not None:  # the records written in blocks of five items (others inside)
+        monkeypatch.setattr(_dcp_metadata_pickle, "_ROWS", rows)
     writer, metadata, keys, final, results = _planned(world, 13, str(tmp_path / "obj"))
     assert keys is not None  # cloudckpt's linear step and writer: columns
     columns = [ItemResultColumns.of(p.items, r) for p, r in zip(final, results, strict=True)]

@@ -134,28 +134,45 @@ def _write_storage_columns(
     memo_of_size = np.array([*size_memo, 0], dtype=np.int64)  # -1 (None): unused 0
     out.memoize(storage, lambda _: pickle.EMPTY_DICT)  # then pushed again, filled
     out.write(out.get(storage) + pickle.MARK)
-    n = len(cols)
     plain = (cols.offset_ids >= 0) & (cols.hints >= 0)
     ints = (cols.hints[plain], cols.starts, cols.lengths)
     wide = any(c.size and (c.min() < _INT32[0] or c.max() > _INT32[1]) for c in ints)
-    rec = _record_array(_record_parts(out, wide), n)
-    rec["fqn"] = names[cols.key_ids]
-    rec["index"] = np.where(plain, cols.hints, 0)
-    rec["offset"] = memo_of_size[cols.offset_ids]
-    rec["path"] = paths[cols.path_ids]
-    rec["start"] = cols.starts
-    rec["length"] = cols.lengths
-    raw = memoryview(rec.view(np.uint8))  # written from the array itself, not copied first
-    width = rec.dtype.itemsize
-    done = 0
+    rec = _record_array(_record_parts(out, wide), min(len(cols), _ROWS))
+    others = np.flatnonzero(~plain)
     memo = (names, paths, memo_of_size)
-    for i in np.flatnonzero(~plain).tolist():
-        out.write(raw[done * width : i * width])
-        out.write(_column_record(out, cols, i, memo))
-        done = i + 1
-    out.write(raw[done * width :])
+    for lo in range(0, len(cols), _ROWS):
+        block = slice(lo, min(lo + _ROWS, len(cols)))
+        _fill_records(rec, cols, block, memo)
+        raw = memoryview(rec.view(np.uint8))  # written from the array itself
+        width = rec.dtype.itemsize
+        done = lo
+        inside = others[np.searchsorted(others, lo) : np.searchsorted(others, block.stop)]
+        for i in inside.tolist():
+            out.write(raw[(done - lo) * width : (i - lo) * width])
+            out.write(_column_record(out, cols, i, memo))
+            done = i + 1
+        out.write(raw[(done - lo) * width : (block.stop - lo) * width])
     out.write(pickle.SETITEMS + pickle.POP)
     return sizes
+
+
+#: items per block of records: the block is reused (no fresh pages for every item's
+#: record and for each field's temporary), its temporaries stay in the cache
+_ROWS = 1 << 15
+
+
+def _fill_records(rec: Any, cols: StorageColumns, block: slice, memo: tuple[Any, ...]) -> None:
+    """The first records of ``rec`` filled from the items of ``block`` (those of plain
+    items: the others are written by :func:`_column_record`)."""
+    names, paths, memo_of_size = memo
+    hints = cols.hints[block]
+    n = len(hints)
+    rec["fqn"][:n] = names[cols.key_ids[block]]
+    rec["index"][:n] = np.maximum(hints, 0)  # (None's -1: not written)
+    rec["offset"][:n] = memo_of_size[cols.offset_ids[block]]
+    rec["path"][:n] = paths[cols.path_ids[block]]
+    rec["start"][:n] = cols.starts[block]
+    rec["length"][:n] = cols.lengths[block]
 
 
 def _column_record(out: _Stream, cols: StorageColumns, i: int, memo: tuple[Any, ...]) -> bytes:

@@ -37,8 +37,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from cloudckpt.array_utils import sorted_unique, stable_order
+from cloudckpt.array_utils import stable_order
 from cloudckpt.strategies._dcp_columns import ChunkColumns, PlanColumns, PlanKeys
+from cloudckpt.strategies._dcp_grid import GridChunks, valid_chunks
 
 _STORAGE = BytesStorageMetadata | TensorStorageMetadata
 #: copying the instance dicts (item, index) is exact only for dataclasses with one
@@ -171,10 +172,6 @@ def _new_tensor(
     return entry
 
 
-#: offsets and sizes above this are left to DCP (their sums and volumes stay in int64)
-_MAX_EXTENT = 1 << 40
-
-
 class _Columns:
     """The chunks of the tensors of one rank (number of dimensions), as columns: each
     chunk's tensor id, offsets and sizes; each tensor's size."""
@@ -197,106 +194,7 @@ class _Columns:
         except (OverflowError, TypeError, ValueError):
             return False
         tids = np.frombuffer(self.tids, dtype=np.int64)
-        return _valid_arrays(off, sz, ext, tids, check_fill)
-
-
-def _valid_arrays(off: Any, sz: Any, ext: Any, tids: Any, check_fill: bool) -> bool:
-    """:meth:`_Columns.valid` on arrays: each chunk's offsets and sizes (rows), each
-    tensor's size (rows), each chunk's tensor (a row of ``ext``)."""
-    if off.size and (off.min() < 0 or sz.min() < 0 or max(off.max(), sz.max()) > _MAX_EXTENT):
-        return False
-    if ext.size and ext.max() > _MAX_EXTENT:
-        return False
-    if (off + sz > ext[tids]).any():
-        return False
-    count = np.bincount(tids, minlength=len(ext))
-    if check_fill and not _fills(tids, sz, ext):
-        return False
-    return _on_grid_columns(tids, off, sz, ext, count)
-
-
-def _fills(tids: Any, sz: Any, ext: Any) -> bool:
-    """Whether the chunks' volumes add up to each tensor's (none above int64)."""
-    if np.prod(sz.astype(np.float64), axis=1).max(initial=0) > 2.0**62:
-        return False
-    if np.prod(ext.astype(np.float64), axis=1).max(initial=0) > 2.0**62:
-        return False
-    volume = np.zeros(len(ext), dtype=np.int64)
-    np.add.at(volume, tids, np.prod(sz, axis=1))
-    return bool((volume == np.prod(ext, axis=1)).all())
-
-
-def _on_grid_columns(tids: Any, off: Any, sz: Any, ext: Any, count: Any) -> bool:
-    """True when, in every tensor with two or more chunks, every chunk spans exactly
-    one cell of the grid made by the chunks' offsets in each dimension, and no two
-    chunks lie in the same cell (then they are disjoint). A chunk's cell is numbered
-    within its tensor (so the numbers stay below the chunks' count, whatever the
-    world), and the cells are told apart by a count, not a sort."""
-    several = count[tids] >= 2
-    if not several.any():
-        return True
-    if not several.all():  # else no copy (every chunk shares its tensor: the usual case)
-        tids, off, sz = tids[several], off[several], sz[several]
-    cell = np.zeros(len(tids), dtype=np.int64)  # the chunk's cell within its tensor
-    per_tensor = np.ones(len(ext), dtype=np.int64)  # each tensor's cells so far
-    for dim in range(off.shape[1]):
-        found = _dim_cells(tids, off[:, dim], sz[:, dim], ext[:, dim])
-        if found is None:
-            return False
-        pos, cells = found
-        if (per_tensor.astype(np.float64) * cells).max(initial=0) > _MAX_KEY:
-            return False
-        cell = cell * cells[tids] + pos
-        per_tensor *= cells
-    base = np.cumsum(per_tensor) - per_tensor  # each tensor's first cell, all tensors'
-    total = int(per_tensor.sum())
-    key = base[tids] + cell
-    if total <= 4 * len(key) + 1024:  # a grid's cells, each held by one chunk
-        return bool((np.bincount(key, minlength=total) <= 1).all())
-    key.sort()
-    return bool((key[1:] != key[:-1]).all())
-
-
-def _dim_cells(tids: Any, off: Any, sz: Any, ext: Any) -> tuple[Any, Any] | None:
-    """Along one dimension: each chunk's cell (its position among its tensor's cells)
-    and each tensor's number of cells, where every chunk spans exactly one cell of its
-    tensor's grid (the cells between the tensor's chunk offsets and its end); None
-    where one does not. Without a sort where the dimension is whole in every chunk, or
-    split evenly (every chunk of a tensor of one size, which divides its offset and
-    the tensor's size: TP's splits); by the sorted offsets otherwise."""
-    n_tensors = len(ext)
-    if ((off == 0) & (sz == ext[tids])).all():
-        return np.zeros(len(tids), dtype=np.int64), np.ones(n_tensors, dtype=np.int64)
-    step = np.zeros(n_tensors, dtype=np.int64)
-    step[tids] = sz
-    each = step[tids]
-    even = (sz > 0).all() and (each == sz).all()
-    if even and not ((off % each).any() or (ext[tids] % each).any()):
-        cells = np.ones(n_tensors, dtype=np.int64)
-        used = step > 0
-        cells[used] = ext[used] // step[used]
-        return off // each, cells
-    return _sorted_cells(tids, off, sz, ext)
-
-
-def _sorted_cells(tids: Any, off: Any, sz: Any, ext: Any) -> tuple[Any, Any] | None:
-    """:func:`_dim_cells` by sorting every tensor's offsets and end."""
-    radix = int(ext.max(initial=0)) + 1
-    if radix * len(ext) > _MAX_KEY:
-        return None
-    tensor_ids = np.arange(len(ext), dtype=np.int64)
-    starts = tids * radix + off
-    bounds = sorted_unique(np.concatenate([starts, tensor_ids * radix + ext]))
-    pos = np.searchsorted(bounds, starts)
-    following = np.append(bounds, -1)[pos + 1]
-    if not (following == starts + sz).all():
-        return None
-    first = np.searchsorted(bounds, tensor_ids * radix)
-    cells = np.searchsorted(bounds, tensor_ids * radix + ext, side="right") - first - 1
-    return pos - first[tids], cells
-
-
-_MAX_KEY = 1 << 62
+        return valid_chunks(GridChunks.of_rows(off, sz, ext, tids), check_fill)
 
 
 @dataclass(frozen=True)
@@ -428,12 +326,17 @@ class _KeyTable:
         if not ((pool_ndim[off] == chunk_ndim).all() and (pool_ndim[sz] == chunk_ndim).all()):
             return None  # a chunk whose rank differs from its tensor's: DCP decides
         width = max(int(ndim.max(initial=0)), 1)  # every rank padded to one (0-d: 1-d)
-        chunk_off = _padded(pool_rows, pool_ndim, width, 0)[off]
-        chunk_sz = _padded(pool_rows, pool_ndim, width, 1)[sz]
-        extent = _padded(ext_rows, ndim, width, 1)
-        if not _valid_arrays(chunk_off, chunk_sz, extent, tid, check_fill):
+        grid = GridChunks(
+            tid,
+            off,
+            sz,
+            _padded(pool_rows, pool_ndim, width, 0),
+            _padded(pool_rows, pool_ndim, width, 1),
+            _padded(ext_rows, ndim, width, 1),
+        )
+        if not valid_chunks(grid, check_fill):
             return None
-        del chunk_off, chunk_sz, chunk_ndim
+        del grid, chunk_ndim
         order = stable_order(tid, len(self.values))
         ordered = tid[order]
         starts = np.searchsorted(ordered, np.arange(len(self.values) + 1))
@@ -476,8 +379,8 @@ def _size_matrix(sizes: Sequence[torch.Size]) -> tuple[Any, Any] | None:
 def _padded(rows: Any, ndim: Any, width: int, fill: int) -> Any:
     """``rows`` of :func:`_size_matrix` (ranks ``ndim``) as ``width`` columns, ``fill``
     past each row's rank: a dimension of one cell (offset 0, size and extent 1) leaves
-    every check of :func:`_valid_arrays` as it is, so tensors of all ranks are checked
-    at once."""
+    every check of :func:`~cloudckpt.strategies._dcp_grid.valid_chunks` as it is, so
+    tensors of all ranks are checked at once."""
     out = np.full((len(rows), width), fill, dtype=np.int64)
     used = min(width, rows.shape[1])
     out[:, :used] = rows[:, :used]
