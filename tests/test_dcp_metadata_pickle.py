@@ -6,6 +6,7 @@ dicts, same order), and falls back to ``pickle.dumps`` where an item has another
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import pickle
 import sys
@@ -177,3 +178,26 @@ def test_record_tables_written_from_arrays_unpickle_to_the_dicts(wide: bool) -> 
     assert list(loaded["x"]["t"]) == list(records.tables[0])  # the same order
     # a table filled since: the pickler writes them all
     assert not _dcp_metadata_pickle._write_record_columns(_dcp_metadata_pickle._Stream(), records)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+def test_runs_are_written_block_by_block_as_one_array_writes_them(rows: int) -> None:
+    """``_write_runs``: runs (empty ones too, first, inside and last) whose records are
+    filled block by block give the bytes of the runs written from one array."""
+    values = np.arange(10, dtype=np.uint8)
+    cases = [[0, 10], [0, 0, 3, 3, 10, 10], [0, 4, 4, 4, 7, 10], [0, 0], [0, 0, 0], [0, 10, 10, 10]]
+    head, tail = b"(", b")"
+    for bounds in cases:
+        expected = (
+            head
+            + (tail + head).join(values[a:b].tobytes() for a, b in itertools.pairwise(bounds))
+            + tail
+        )
+        out = _dcp_metadata_pickle._Stream()
+        block = np.zeros(min(rows, bounds[-1]), dtype=np.uint8)
+
+        def fill(part: slice, block: np.ndarray = block) -> None:
+            block[: len(values[part])] = values[part]
+
+        _dcp_metadata_pickle._write_runs(out, block, fill, bounds, (head, tail))
+        assert out.buffer.getvalue() == expected, bounds

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 import cloudckpt
 from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies import _dcp_plan
+from cloudckpt.strategies import _dcp_metadata_pickle, _dcp_plan
 from cloudckpt.strategies._dcp_columns import PlanColumns
 from cloudckpt.strategies._dcp_dist import (
     create_global_plan,
@@ -236,7 +236,12 @@ def test_a_real_save_plans_in_columns(tmp_path: Path, monkeypatch: pytest.Monkey
                 assert torch.equal(loaded[key], value.data)
 
 
-def test_chunk_lists_written_from_ids_unpickle_to_the_metadatas() -> None:
+@pytest.mark.parametrize("rows", [None, 3], ids=["blocks", "three-chunk-blocks"])
+def test_chunk_lists_written_from_ids_unpickle_to_the_metadatas(
+    rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if rows is not None:  # the records filled in blocks of three (runs across blocks)
+        monkeypatch.setattr(_dcp_metadata_pickle, "_ROWS", rows)
     plans = _local_plans(sim.World(4, 2, 3, 24), 13)
     fast = linear_global_columns(_sent(plans))
     assert fast is not None

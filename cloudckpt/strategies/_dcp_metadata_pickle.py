@@ -463,28 +463,48 @@ def _write_chunk_columns(
         ("sizes", "<u4"),
         ("c2", pickle.SETITEMS + pickle.BUILD),
     ]
-    rec = _record_array(parts, len(chunks.offset_ids))
-    rec["offsets"] = memo_of[chunks.offset_ids]
-    rec["sizes"] = memo_of[chunks.size_ids]
+    rec = _record_array(parts, min(len(chunks.offset_ids), _ROWS))
+
+    def fill(block: slice) -> None:
+        n = len(chunks.offset_ids[block])
+        rec["offsets"][:n] = memo_of[chunks.offset_ids[block]]
+        rec["sizes"][:n] = memo_of[chunks.size_ids[block]]
+
     head, tail = pickle.EMPTY_LIST + pickle.MEMOIZE + pickle.MARK, pickle.APPENDS + pickle.POP
     for chunk_list in chunks.lists:
         out.memo[id(chunk_list)] = (len(out.memo), chunk_list)
-    _write_runs(out, rec, chunks.bounds.tolist(), head, tail)
+    _write_runs(out, rec, fill, chunks.bounds.tolist(), (head, tail))
     return True
 
 
-def _write_runs(out: _Stream, rec: Any, bounds: list[int], head: bytes, tail: bytes) -> None:
-    """The records ``rec[bounds[i]:bounds[i + 1]]`` one run after another, each between
-    ``head`` and ``tail``, written from the array's memory (no copy of it first)."""
+def _write_runs(
+    out: _Stream,
+    rec: Any,
+    fill: Callable[[slice], None],
+    bounds: list[int],
+    ends: tuple[bytes, bytes],
+) -> None:
+    """Records ``bounds[0]:bounds[-1]`` in runs ``bounds[i]:bounds[i + 1]``, each between
+    ``ends`` (head and tail), filled block by block into ``rec`` (a block of records:
+    ``fill(block)`` fills its first records) and written from its memory."""
     if len(bounds) < 2:
         return
+    head, tail = ends
     raw, width = memoryview(rec.view(np.uint8)), rec.dtype.itemsize
     between = tail + head
     out.write(head)
-    for i in range(len(bounds) - 1):
-        if i:
+    cut = 1  # the next bound between two runs
+    rows = max(len(rec), 1)
+    for lo in range(bounds[0], bounds[-1], rows):
+        block = slice(lo, min(lo + rows, bounds[-1]))
+        fill(block)
+        done = lo
+        while cut < len(bounds) - 1 and bounds[cut] <= block.stop:
+            out.write(raw[(done - lo) * width : (bounds[cut] - lo) * width])
             out.write(between)
-        out.write(raw[bounds[i] * width : bounds[i + 1] * width])
+            done, cut = bounds[cut], cut + 1
+        out.write(raw[(done - lo) * width : (block.stop - lo) * width])
+    out.write(between * (len(bounds) - 1 - cut))  # empty runs at the end
     out.write(tail)
 
 
@@ -513,13 +533,19 @@ def _write_record_columns(out: _Stream, records: RecordColumns) -> bool:
         ("nbytes", int_type),
         ("c3", pickle.TUPLE2 + pickle.SETITEM),
     ]
-    rec = _record_array(parts, len(records))
-    rec["point"] = memo[records.point_ids]
-    rec["start"] = records.starts
-    rec["nbytes"] = records.nbytes
+    rec = _record_array(parts, min(len(records), _ROWS))
+
+    def fill(block: slice) -> None:
+        n = len(records.point_ids[block])
+        rec["point"][:n] = memo[records.point_ids[block]]
+        rec["start"][:n] = records.starts[block]
+        rec["nbytes"][:n] = records.nbytes[block]
+
     for table in records.tables:
         out.memo[id(table)] = (len(out.memo), table)
-    _write_runs(out, rec, records.bounds.tolist(), pickle.EMPTY_DICT + pickle.MEMOIZE, pickle.POP)
+    _write_runs(
+        out, rec, fill, records.bounds.tolist(), (pickle.EMPTY_DICT + pickle.MEMOIZE, pickle.POP)
+    )
     return True
 
 
