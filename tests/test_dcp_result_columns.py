@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -27,7 +28,13 @@ import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.storage import open_checkpoint
 from cloudckpt.strategies import _dcp_dist, _dcp_metadata_pickle
-from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanKeys, as_write_results
+from cloudckpt.strategies._dcp_columns import (
+    ItemResultColumns,
+    PlanKeys,
+    StorageColumns,
+    _record_tables,
+    as_write_results,
+)
 from cloudckpt.strategies._dcp_dist import column_keys, create_global_plan, writes_columns
 from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
 from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo, plain_info
@@ -217,3 +224,39 @@ def test_a_real_save_writes_columns_and_equals_the_object_path(
     for key, value in _state().items():
         if isinstance(value, ShardedTensor):
             assert torch.equal(loaded[key], value.data)
+
+
+def test_record_tables_of_items_all_recorded_or_not() -> None:
+    """``_record_tables`` where every item has a record (no subset taken) gives the tables
+    it gives with an item without one added (a bytes item: no offset, no record)."""
+    rng = np.random.default_rng(3)
+    n, names = 500, [f"t{i}" for i in range(40)]
+    key_ids = rng.integers(0, len(names), n)
+    offset_ids = rng.integers(0, 3, n)
+    starts, nbytes = rng.integers(0, 1000, n), rng.integers(1, 100, n)
+
+    def tables(extra: int) -> Any:
+        pad = [np.full(extra, -1, dtype=np.int64)]
+        cols = StorageColumns(
+            [*names, "bytes"],
+            [torch.Size([0]), torch.Size([4]), torch.Size([8])],
+            ["p"],
+            np.concatenate([key_ids, np.full(extra, len(names))]),
+            np.concatenate([offset_ids, *pad]),
+            np.zeros(n + extra, dtype=np.int64),
+            np.zeros(n + extra, dtype=np.int64),
+            np.concatenate([starts, *pad]),
+            np.ones(n + extra, dtype=np.int64),
+        )
+        return _record_tables(cols, cols.starts, np.concatenate([nbytes, *pad]))
+
+    every, some = tables(0), tables(1)
+    assert every.names == some.names and len(every.names) == len(set(key_ids.tolist()))
+    for field in ("bounds", "point_ids", "starts", "nbytes"):
+        assert np.array_equal(getattr(every, field), getattr(some, field)), field
+    every.fill()
+    expected: dict[str, dict[tuple[int, ...], tuple[int, int]]] = {}
+    for i in range(n):  # item order: the later of equal offsets wins
+        point = ((0,), (4,), (8,))[int(offset_ids[i])]
+        expected.setdefault(names[int(key_ids[i])], {})[point] = (int(starts[i]), int(nbytes[i]))
+    assert every.by_name() == expected

@@ -292,10 +292,14 @@ def _record_tables(cols: StorageColumns, starts: Any, nbytes: Any) -> RecordColu
     """Per fqn, the records of its items that have one and an offset (``{chunk offsets:
     (start, nbytes)}``, as the writer's object path builds them), in item order, as
     :class:`RecordColumns`."""
-    chosen = np.flatnonzero((starts >= 0) & (cols.offset_ids >= 0))
-    order = chosen[stable_order(cols.key_ids[chosen], len(cols.names))]
+    recorded = (starts >= 0) & (cols.offset_ids >= 0)
+    if recorded.all():  # every item (the usual case): no subset to copy
+        order = stable_order(cols.key_ids, len(cols.names))
+    else:
+        chosen = np.flatnonzero(recorded)
+        order = chosen[stable_order(cols.key_ids[chosen], len(cols.names))]
     keys = cols.key_ids[order]
-    cut = np.flatnonzero(np.diff(keys)) + 1
+    cut = np.flatnonzero(keys[1:] != keys[:-1]) + 1
     bounds = np.concatenate([[0], cut, [len(order)]]) if len(order) else np.zeros(1, np.int64)
     names = [cols.names[k] for k in keys[bounds[:-1]].tolist()]
     return RecordColumns(
