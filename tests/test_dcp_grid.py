@@ -171,3 +171,12 @@ def test_sparse_grids_are_told_apart_by_sorting(rows: None) -> None:
 def test_offsets_past_int64_are_left_to_dcp(rows: None) -> None:
     """An offset near 2**63 (its sum with the size would wrap around) is not proven."""
     assert not _checked([((4,), [((2**63 - 1,), (2,)), ((0,), (4,))])], check_fill=False)
+
+
+def test_cells_past_int64_over_all_tensors_are_left_to_dcp() -> None:
+    """Four tensors of 2**61 cells each (two chunks of one element, one plan): numbered
+    over all tensors the cells would pass int64, so the check leaves them to DCP."""
+    size = (2**40, 2**21)
+    chunks = [((0, 0), (1, 1)), ((2**39, 2**20), (1, 1))]
+    assert _checked([(size, chunks)], check_fill=False)  # one: numbered in int64
+    assert not _checked([(size, chunks)] * 4, check_fill=False)

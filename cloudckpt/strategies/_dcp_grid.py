@@ -169,6 +169,8 @@ def _on_grid(chunks: GridChunks, count: Any) -> bool:
 def _distinct_cells(chunks: GridChunks, split: dict[int, _Cells], per_tensor: Any) -> bool:
     """Whether no two chunks share a cell: by a count per cell where the cells are
     few, else by sorting the chunks' cells."""
+    if per_tensor.astype(np.float64).sum() > _MAX_KEY:
+        return False  # the cells of all tensors would not number in int64
     base = np.cumsum(per_tensor) - per_tensor  # each tensor's first cell, all tensors'
     total = int(per_tensor.sum())
     dense = total <= 4 * len(chunks) + 1024  # a grid's cells, each held by one chunk
