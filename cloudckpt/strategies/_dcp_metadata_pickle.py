@@ -140,11 +140,10 @@ def _write_storage_columns(
     rec = _record_array(_record_parts(out, wide), min(len(cols), _ROWS))
     others = np.flatnonzero(~plain)
     memo = (names, paths, memo_of_size)
+    raw, width = memoryview(rec.view(np.uint8)), rec.dtype.itemsize  # written from itself
     for lo in range(0, len(cols), _ROWS):
         block = slice(lo, min(lo + _ROWS, len(cols)))
         _fill_records(rec, cols, block, memo)
-        raw = memoryview(rec.view(np.uint8))  # written from the array itself
-        width = rec.dtype.itemsize
         done = lo
         inside = others[np.searchsorted(others, lo) : np.searchsorted(others, block.stop)]
         for i in inside.tolist():
