@@ -10,8 +10,10 @@ each distinct ``torch.Size`` once), and the passes run over blocks of chunks: at
 4,096 ranks x 2,000 tensors a save has millions of chunks, and whole-array
 temporaries (tens of MB each, fresh pages from the kernel every time) cost more than
 the arithmetic. A block's temporaries stay in the cache and are reused from malloc's
-heap. Only unevenly split dimensions (sorted) and grids with many empty cells
-(sorted keys) hold per-chunk arrays for the whole plan.
+heap. Besides a flag per chunk (its tensor has several) and a count per cell, only
+chunks of tensors with one chunk mixed in (the others copied out), unevenly split
+dimensions (sorted) and grids with many empty cells (sorted keys) hold per-chunk arrays
+for the whole plan.
 """
 
 from __future__ import annotations
