@@ -320,8 +320,8 @@ def _targets(names: list[str]) -> Iterator[list[Target]]:
         if "s3" in names:
             from cloudckpt.bench.servers import seaweedfs_bucket  # noqa: PLC0415
 
-            uri, options = stack.enter_context(seaweedfs_bucket())
-            found.append(Target("s3", uri, options))
+            bucket = stack.enter_context(seaweedfs_bucket())
+            found.append(Target("s3", bucket.uri, bucket.storage_options))
         yield found
 
 

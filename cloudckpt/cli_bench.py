@@ -15,6 +15,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from cloudckpt.cli_options import Subparsers, UsageError, _add_storage_option_flag
@@ -96,6 +97,13 @@ def _add_bench(subparsers: Subparsers) -> None:
         "blocking time of the first save and of the later ones, which reuse the plan "
         "and skip the sharding validation",
     )
+    add(
+        "--server-pid",
+        type=int,
+        metavar="PID",
+        help="the process of the store at --uri when it runs on this host: its CPU time "
+        "in every phase is measured beside the ranks' (--server sets it)",
+    )
     add("--json", dest="json_file", metavar="FILE", help="write every figure to FILE as JSON")
     add("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib: the bench extra)")
     _add_storage_option_flag(
@@ -107,19 +115,29 @@ def _add_bench(subparsers: Subparsers) -> None:
     parser.set_defaults(handler=_cmd_bench)
 
 
+@dataclass(frozen=True)
+class _Destination:
+    """Where a run writes: URI, storage options, and the store's process on this host
+    (None: not known)."""
+
+    uri: str
+    storage_options: dict[str, Any]
+    server_pid: int | None = None
+
+
 @contextlib.contextmanager
-def _destination(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The URI and storage options to write under, for the run's duration."""
+def _destination(args: argparse.Namespace) -> Iterator[_Destination]:
+    """Where to write, for the run's duration."""
     if args.server == "seaweedfs":
         from cloudckpt.bench.servers import seaweedfs_bucket  # noqa: PLC0415
 
-        with seaweedfs_bucket() as found:
-            yield found
+        with seaweedfs_bucket() as bucket:
+            yield _Destination(bucket.uri, bucket.storage_options, bucket.server_pid)
     elif args.uri:
-        yield args.uri, dict(args.storage_options)
+        yield _Destination(args.uri, dict(args.storage_options), args.server_pid)
     else:
         with tempfile.TemporaryDirectory(prefix="cloudckpt-bench-") as directory:
-            yield directory, {}
+            yield _Destination(directory, {})
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -136,7 +154,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("--constant-structure needs --backend torch_dist (its plan cache)")
     if args.plot:
         report.require_matplotlib()
-    with _destination(args) as (uri, storage_options):
+    if args.server_pid is not None and not args.uri:
+        raise UsageError("--server-pid names the process of the store at --uri: give --uri")
+    with _destination(args) as where:
+        uri = where.uri
         if uri.startswith("s3://"):
             raw.require_boto3()
         elif "://" in uri and not uri.startswith("file://"):
@@ -146,10 +167,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             size_bytes=args.size,
             world_size=args.world_size,
             backend=args.backend,
-            storage_options=storage_options,
+            storage_options=where.storage_options,
             repeat=args.repeat,
             fully_parallel=args.fully_parallel,
             constant_structure=args.constant_structure,
+            server_pid=where.server_pid,
         )
         spec, ranks, run = run_bench(options)
     config = CheckpointConfig(backend=args.backend)

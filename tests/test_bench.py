@@ -6,17 +6,21 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from cloudckpt.bench import clock, report
+from cloudckpt.bench.runner import RankFigures
 from cloudckpt.bench.workload import build_state, local_tensors, plan_workload, rank_share
 from cloudckpt.cli_bench import parse_size
-from tests.fixtures_object_stores import S3_CASES, bucket_location
+from tests.fixtures_object_stores import S3_CASES, bucket_location, server_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
@@ -72,6 +76,12 @@ def _assert_common(figures: dict[str, Any], raw_phases: tuple[str, ...]) -> None
     assert all(len(v) == WORLD_SIZE and min(v) >= 0 for v in growth.values())
     bound = figures["sync_save_rss_bound_bytes"]
     assert [b > s for b, s in zip(bound, work["state_bytes_per_rank"], strict=True)] == [True] * 2
+    # where the time went: the ranks' CPU in every timed phase, the host's cores busy
+    for phase in ("save", "load", "copy_to_host", *raw_phases):
+        assert figures["cpu_seconds"][phase] > 0, phase
+        assert figures["busy"][phase] > 0, phase
+    assert "async_blocking" not in figures["cpu_seconds"]  # not a span between barriers
+    assert figures["host_cpus"] >= 1
 
 
 def test_bench_local_directory_reports_every_figure_and_leaves_nothing(tmp_path: Path) -> None:
@@ -84,6 +94,7 @@ def test_bench_local_directory_reports_every_figure_and_leaves_nothing(tmp_path:
     assert set(figures["ratios"]) == set(LOCAL_RATIOS)
     assert all(value > 0 for value in figures["ratios"].values())
     assert figures["requests_counted"] is False  # local files: no requests
+    assert figures["server_cpu_seconds"] == {}  # no store process
     assert figures["backend"] == "zarr"
     assert "save_over_raw_write" in proc.stdout and "MB/s" in proc.stdout
     assert list(base.iterdir()) == []  # the run's checkpoints and raw files removed
@@ -133,24 +144,32 @@ def test_bench_constant_structure_needs_torch_dist(tmp_path: Path) -> None:
 
 
 @pytest.fixture(params=REAL_S3_CASES)
-def real_s3_bucket(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+def real_s3_bucket(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], int | None]:
+    """A fresh bucket: URI, storage options, and the server's pid (None: external)."""
     uri, options = bucket_location(request, request.param)
-    return uri, options
+    server = server_for(request, request.param).process
+    return uri, options, None if server is None else server.process.pid
 
 
 def test_bench_on_s3_counts_requests_of_save_load_and_the_raw_limit(
-    real_s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+    real_s3_bucket: tuple[str, dict[str, Any], int | None], tmp_path: Path
 ) -> None:
-    uri, options = real_s3_bucket
+    uri, options, pid = real_s3_bucket
     flags = [
         f"--storage-option={key}={json.dumps(value) if not isinstance(value, str) else value}"
         for key, value in options.items()
     ]
+    if pid is not None:
+        flags.append(f"--server-pid={pid}")
     out = tmp_path / "figures.json"
     proc = _bench("--uri", f"{uri}/bench", "--json", str(out), *flags)
     figures = _figures(proc, out)
     best = figures["raw_best"]
     _assert_common(figures, (best["raw_put"], best["raw_get"]))
+    if pid is not None:  # the store worked in every phase that moved bytes
+        for phase in ("save", "load", "raw_put", "raw_get", best["raw_put"], best["raw_get"]):
+            assert figures["server_cpu_seconds"][phase] > 0, phase
+        assert figures["cpu_seconds"]["raw_put"] == figures["cpu_seconds"][best["raw_put"]]
     assert set(figures["ratios"]) == set(S3_RATIOS)
     assert figures["backend"] == "torch_dist"
     requests = figures["requests"]
@@ -163,6 +182,85 @@ def test_bench_on_s3_counts_requests_of_save_load_and_the_raw_limit(
         # one object per rank: a PUT (or a multipart upload), then HEAD + ranged GETs
         assert requests[f"raw_put[{setting}]"] >= WORLD_SIZE
         assert requests[f"raw_get[{setting}]"] >= 2 * WORLD_SIZE
+
+
+def test_bench_server_pid_needs_uri(tmp_path: Path) -> None:
+    proc = _bench("--server-pid", "1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--server-pid names the process of the store at --uri" in proc.stderr
+
+
+def test_process_cpu_seconds_of_a_busy_process_grows() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        first = clock.process_cpu_seconds(child.pid)
+        assert first is not None
+        deadline = time.monotonic() + 30
+        while (now := clock.process_cpu_seconds(child.pid)) is not None and now < first + 0.2:
+            assert time.monotonic() < deadline, (first, now)
+            time.sleep(0.05)
+        assert now is not None and now >= first + 0.2
+    finally:
+        child.kill()
+        child.wait()
+    assert clock.process_cpu_seconds(child.pid) is None  # reaped: gone
+
+
+def test_cpu_of_stat_reads_past_a_command_name_with_spaces_and_parentheses() -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+    rest = " ".join(["S", *["0"] * 10, str(3 * ticks), str(ticks), *["0"] * 30])
+    assert clock.cpu_of_stat(f"42 (weed) x) {rest}") == 4.0
+    assert clock.cpu_of_stat("42 (weed) S 1 2") is None  # truncated
+
+
+def test_rank_figures_keep_the_cpu_of_the_best_round() -> None:
+    figures = RankFigures()
+    figures.record_span("load", clock.Span(2.0, 1.5, 0.5))
+    figures.record_span("load", clock.Span(1.0, 0.75, None))  # best: its CPU, no store
+    figures.record_span("load", clock.Span(3.0, 9.0, 9.0))
+    assert figures.seconds == {"load": 1.0}
+    assert figures.cpu == {"load": 0.75}
+    assert figures.server_cpu == {}  # the best round's: not measured
+    figures.record_span("load", clock.Span(0.5, 0.25, 0.125))
+    assert (figures.cpu, figures.server_cpu) == ({"load": 0.25}, {"load": 0.125})
+
+
+def test_summary_sums_the_ranks_cpu_and_takes_the_store_and_best_raw_settings() -> None:
+    spec = plan_workload(8 * 2**20, 2)
+
+    def rank(cpu: dict[str, float], server: dict[str, float]) -> dict[str, Any]:
+        seconds = {"save": 2.0, "raw_put[a]": 1.0, "raw_put[b]": 4.0}
+        return {
+            "seconds": seconds,
+            "cpu": cpu,
+            "server_cpu": server,
+            "requests": {},
+            "peak_rss": {"save": 1},
+            "rss_growth": {"save": 0},
+            "rss_reset": True,
+            "state_bytes": 1,
+            "share_bytes": 1,
+            "objects": {},
+            "errors": {},
+        }
+
+    cpu = {"save": 1.0, "raw_put[a]": 0.5, "raw_put[b]": 0.25}
+    ranks = [rank(cpu, {"save": 3.0, "raw_put[a]": 1.5}), rank(cpu, {"save": 99.0})]
+    summary = report.summarize(
+        spec, ranks, uri="u", backend="torch_dist", crt=False, part_size=1, max_in_flight=1
+    )
+    assert summary["cpu_seconds"] == {
+        "save": 2.0,
+        "raw_put[a]": 1.0,
+        "raw_put[b]": 0.5,
+        "raw_put": 1.0,  # the fastest setting's (a: 1 s)
+    }
+    assert summary["server_cpu_seconds"] == {"save": 3.0, "raw_put[a]": 1.5, "raw_put": 1.5}
+    cores = summary["host_cpus"]
+    assert summary["busy"]["save"] == pytest.approx(5.0 / (2.0 * cores))
+    assert summary["busy"]["raw_put[b]"] == pytest.approx(0.5 / (4.0 * cores))
+    table = "\n".join(report.table_lines(summary))
+    assert "CPU s" in table and "busy" in table
 
 
 def test_bench_plot_needs_matplotlib_or_draws_a_png(tmp_path: Path) -> None:

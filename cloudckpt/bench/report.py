@@ -5,11 +5,17 @@ slowest rank's time. Ratios compare throughputs (1.0: as fast as the raw limit; 
 ``*_fully_parallel_over_plain``, as fast as the plain save or load), except the
 ``async_blocking*_over_copy`` ones, which compare times (1.0: the training loop blocks
 only as long as one copy of its state to host memory takes).
+
+Where the time goes: each timed phase's CPU seconds, of the rank processes together and
+of the store's process when the bench started it on this host, and ``busy``, their sum
+over wall time x this host's cores (near 1.0: the phase is bound by this host's CPUs,
+not by the store's limit or the network).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +63,7 @@ def summarize(
     throughput.pop("copy_to_host", None)
     best = _best_raw(throughput)
     throughput.update({kind: throughput[name] for kind, name in best.items()})
+    cpu = _cpu_figures(ranks, seconds, best)
     s3 = "raw_put" in best
     ratios = {
         name: throughput[ours] / throughput[theirs]
@@ -88,6 +95,7 @@ def summarize(
         },
         "seconds": seconds,
         "mb_per_s": throughput,
+        **cpu,
         "raw_best": best,
         "ratios": ratios,
         "peak_rss_bytes": {
@@ -114,6 +122,32 @@ def summarize(
             name: [r["errors"].get(name) for r in ranks]
             for name in sorted({n for r in ranks for n in r["errors"]})
         },
+    }
+
+
+def _cpu_figures(
+    ranks: Sequence[dict[str, Any]], seconds: dict[str, float], best: dict[str, str]
+) -> dict[str, Any]:
+    """CPU seconds per phase (every rank's together; the store's, measured on rank 0),
+    and how busy they kept this host's cores; the best raw settings under their kind."""
+    phases = {p for r in ranks for p in r["cpu"]}
+    clients = {p: sum(r["cpu"].get(p, 0.0) for r in ranks) for p in phases}
+    server = dict(ranks[0]["server_cpu"])
+    for kind, name in best.items():
+        for figures in (clients, server):
+            if name in figures:
+                figures[kind] = figures[name]
+    cores = os.cpu_count() or 1
+    busy = {
+        p: (clients[p] + server.get(p, 0.0)) / (seconds[p] * cores)
+        for p in clients
+        if p in seconds and seconds[p] > 0
+    }
+    return {
+        "cpu_seconds": clients,
+        "server_cpu_seconds": server,
+        "host_cpus": cores,
+        "busy": busy,
     }
 
 
@@ -159,15 +193,25 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
         f"cloudckpt bench: {work['total_bytes'] / MiB:.1f} MiB on {summary['world_size']} ranks "
         f"(TP {work['tp']} x DP {work['dp']}, hidden {work['hidden']}, {work['layers']} layers), "
         f"backend {summary['backend']}, at {summary['uri']}",
-        f"{'phase':<26}{'seconds':>10}{'MB/s':>10}{'requests':>10}",
+        f"{'phase':<26}{'seconds':>10}{'MB/s':>10}{'CPU s':>8}{'store':>8}{'busy':>6}"
+        f"{'requests':>10}",
     ]
     for phase in sorted(summary["seconds"], key=_phase_order):
         secs = summary["seconds"][phase]
-        rate = summary["mb_per_s"].get(phase)
-        shown = f"{rate:10.1f}" if rate is not None else f"{'':>10}"
+        cells = (
+            _cell(summary["mb_per_s"].get(phase), 10, ".1f"),
+            _cell(summary["cpu_seconds"].get(phase), 8, ".2f"),
+            _cell(summary["server_cpu_seconds"].get(phase), 8, ".2f"),
+            _cell(summary["busy"].get(phase), 6, ".2f"),
+        )
         count = summary["requests"].get(phase)
         counted = f"{count:10d}" if count is not None and summary["requests_counted"] else ""
-        lines.append(f"{phase:<26}{secs:10.3f}{shown}{counted}")
+        lines.append(f"{phase:<26}{secs:10.3f}{''.join(cells)}{counted}")
+    lines.append(
+        f"CPU s: the {summary['world_size']} rank processes together; store: the store's "
+        f"process (when the bench started it); busy: their sum / (seconds x "
+        f"{summary['host_cpus']} cores)"
+    )
     reads = summary.get("reads", {})
     loads = [p for p in sorted(reads, key=_phase_order) if p.startswith("load")]
     if loads:
@@ -204,6 +248,11 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
     for name, per_rank in summary["raw_errors"].items():
         lines.append(f"raw {name} failed: {next(e for e in per_rank if e)}")
     return lines
+
+
+def _cell(value: float | None, width: int, spec: str) -> str:
+    """A right-aligned table cell, blank for a figure not measured."""
+    return f"{value:{width}{spec}}" if value is not None else " " * width
 
 
 def require_matplotlib() -> None:

@@ -5,10 +5,12 @@ and interleaved (raw, cloudckpt, raw, cloudckpt), times: the raw write, cloudckp
 save, the raw read, cloudckpt's load, and an async save (the time until
 ``cloudckpt.save(..., async_sharded_save=True)`` returns, then until the request has
 run and committed). Each phase starts and ends with a barrier; its time is the slowest
-rank's. Around cloudckpt's phases each rank records its peak resident memory (Linux:
-``VmHWM`` reset through ``/proc/self/clear_refs``; else ``ru_maxrss``, the peak so far)
-and the storage requests it issued (cloudckpt's own counters: S3 data requests; local
-files are not counted), and for loads the reads and bytes read (on every store).
+rank's, with the CPU time each rank process spent in it and, when the store runs on this
+host (``server_pid``), the store process's (:mod:`.clock`). Around cloudckpt's phases
+each rank records its peak resident memory (Linux: ``VmHWM`` reset through
+``/proc/self/clear_refs``; else ``ru_maxrss``, the peak so far) and the storage requests
+it issued (cloudckpt's own counters: S3 data requests; local files are not counted), and
+for loads the reads and bytes read (on every store).
 
 With ``fully_parallel``, each round also saves with Megatron-Core's
 ``FullyParallelSaveStrategyWrapper`` and loads with ``FullyParallelLoadStrategyWrapper``
@@ -41,6 +43,7 @@ import torch
 
 import cloudckpt
 from cloudckpt.bench import raw
+from cloudckpt.bench.clock import Clock, Span
 from cloudckpt.bench.workload import (
     WorkloadSpec,
     build_state,
@@ -84,6 +87,8 @@ class BenchOptions:
             data-parallel group, interleaved with the plain save and load.
         constant_structure: also make repeated async saves through one torch_dist
             strategy with ``cached_metadata=True`` (first and later saves timed apart).
+        server_pid: the store's process when it runs on this host (``--server``): its
+            CPU time in every phase is measured too (rank 0's figure is reported).
     """
 
     uri: str
@@ -95,6 +100,7 @@ class BenchOptions:
     timeout_s: float = 3600.0
     fully_parallel: bool = False
     constant_structure: bool = False
+    server_pid: int | None = None
 
     @property
     def is_s3(self) -> bool:
@@ -104,10 +110,14 @@ class BenchOptions:
 
 @dataclass
 class RankFigures:
-    """What one rank measured: seconds by phase (best round), peak RSS in bytes by phase,
+    """What one rank measured: seconds by phase (best round), the CPU seconds of the
+    rank process and of the store's process in that round, peak RSS in bytes by phase,
     requests by phase, and objects written by phase (rank 0 only)."""
 
+    server_pid: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
+    server_cpu: dict[str, float] = field(default_factory=dict)
     peak_rss: dict[str, int] = field(default_factory=dict)
     rss_growth: dict[str, int] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
@@ -122,6 +132,21 @@ class RankFigures:
     def record(self, phase: str, seconds: float) -> None:
         """Keep the best time of a phase."""
         self.seconds[phase] = min(seconds, self.seconds.get(phase, float("inf")))
+
+    def record_span(self, phase: str, span: Span) -> None:
+        """Keep the best time of a phase, with the CPU times of that round."""
+        if span.seconds < self.seconds.get(phase, float("inf")):
+            self.cpu[phase] = span.cpu_s
+            self.server_cpu.pop(phase, None)
+            if span.server_cpu_s is not None:
+                self.server_cpu[phase] = span.server_cpu_s
+        self.record(phase, span.seconds)
+
+    def timed(self, phase: str, fn: Callable[[], object]) -> float:
+        """Run ``fn`` between barriers, record it as ``phase``; its seconds."""
+        span = Clock(self.server_pid).span(fn)
+        self.record_span(phase, span)
+        return span.seconds
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -166,21 +191,12 @@ def _barrier() -> None:
     torch.distributed.barrier()
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    """Seconds from a barrier to the barrier after ``fn`` on this rank."""
-    _barrier()
-    start = time.perf_counter()
-    fn()
-    _barrier()
-    return time.perf_counter() - start
-
-
 def _measured(figures: RankFigures, phase: str, fn: Callable[[], object]) -> None:
     """Time a cloudckpt phase, with its peak RSS and requests."""
     figures.rss_reset = reset_peak_rss()
     start = current_rss()
     before = process_stats()
-    figures.record(phase, _timed(fn))
+    figures.timed(phase, fn)
     figures.peak_rss[phase] = max(peak_rss(), figures.peak_rss.get(phase, 0))
     growth = peak_rss() - start
     figures.rss_growth[phase] = max(growth, figures.rss_growth.get(phase, 0))
@@ -378,7 +394,7 @@ def _cloudckpt_round(
     if extra.parallel is not None:
         _save_and_load(figures, spec, state, rank, f"{ckpt}-fp", options, extra.parallel)
     async_ckpt = f"{ckpt}-async"
-    figures.record("copy_to_host", _timed(lambda: _copy_to_host(local_tensors(state))))
+    figures.timed("copy_to_host", lambda: _copy_to_host(local_tensors(state)))
     figures.rss_reset = reset_peak_rss()
     before = process_stats().requests
     blocking, total = _async_save(state, async_ckpt, options)
@@ -457,13 +473,13 @@ def _raw_local_round(
     directory.mkdir(parents=True, exist_ok=True)
     payload = raw.payload_of(share)
     path = directory / f"rank{rank}.bin"
-    figures.record("raw_write", _timed(lambda: raw.write_file(path, payload)))
+    figures.timed("raw_write", lambda: raw.write_file(path, payload))
     sink = bytearray(len(payload))
-    figures.record("raw_read", _timed(lambda: raw.read_file(path, sink)))
+    figures.timed("raw_read", lambda: raw.read_file(path, sink))
     path.unlink()
     pt = directory / f"rank{rank}.pt"
-    figures.record("torch_save", _timed(lambda: raw.torch_save(pt, share)))
-    figures.record("torch_load", _timed(lambda: raw.torch_load(pt)))
+    figures.timed("torch_save", lambda: raw.torch_save(pt, share))
+    figures.timed("torch_load", lambda: raw.torch_load(pt))
     pt.unlink()
 
 
@@ -497,10 +513,9 @@ def _raw_s3_setting(
     """One client setting's PUT and GET of the rank's bytes, with their requests."""
     counter = _RequestCounter()
     client.meta.events.register("before-send.s3", counter)
-    put = _timed(lambda: raw.s3_put(client, bucket, key, payload, config))
-    figures.record(f"raw_put[{name}]", put)
+    figures.timed(f"raw_put[{name}]", lambda: raw.s3_put(client, bucket, key, payload, config))
     figures.requests[f"raw_put[{name}]"] = counter.take()
-    figures.record(f"raw_get[{name}]", _timed(lambda: raw.s3_get(client, bucket, key, config)))
+    figures.timed(f"raw_get[{name}]", lambda: raw.s3_get(client, bucket, key, config))
     figures.requests[f"raw_get[{name}]"] = counter.take()
 
 
@@ -527,8 +542,9 @@ def _raw_crt(
     transfer: list[raw.CrtTransfer] = []
     part_size = setting.part_size or _config(options).part_size
     attempt(lambda: transfer.append(raw.CrtTransfer(options.storage_options, part_size)))
-    put = _timed(lambda: attempt(lambda: transfer[0].put(bucket, key, payload)))
-    get = _timed(lambda: attempt(lambda: transfer[0].get(bucket, key)))
+    clock = Clock(figures.server_pid)
+    put = clock.span(lambda: attempt(lambda: transfer[0].put(bucket, key, payload)))
+    get = clock.span(lambda: attempt(lambda: transfer[0].get(bucket, key)))
     if transfer:
         transfer[0].close()
         with contextlib.suppress(Exception):
@@ -537,8 +553,8 @@ def _raw_crt(
     if errors:
         figures.errors[setting.name] = errors[0]
         return
-    figures.record(f"raw_put[{setting.name}]", put)
-    figures.record(f"raw_get[{setting.name}]", get)
+    figures.record_span(f"raw_put[{setting.name}]", put)
+    figures.record_span(f"raw_get[{setting.name}]", get)
 
 
 class _RequestCounter:
@@ -574,7 +590,7 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> d
 
 def _bench_rank(rank: int, world_size: int, options: BenchOptions, run: str) -> dict[str, Any]:
     spec = plan_workload(options.size_bytes, world_size)
-    figures = RankFigures()
+    figures = RankFigures(server_pid=options.server_pid)
     state = build_state(spec, rank)
     figures.state_bytes = sum(t.numel() * t.element_size() for t in local_tensors(state))
     share = rank_share(state, spec, rank)

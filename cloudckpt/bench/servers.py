@@ -346,10 +346,24 @@ def seaweedfs_s3() -> Iterator[ServerProcess]:
         server.stop()
 
 
+@dataclass(frozen=True)
+class BenchBucket:
+    """A fresh bucket on a server this process started.
+
+    Attributes:
+        uri: ``s3://bucket``.
+        storage_options: fsspec/s3fs options to reach it, as cloudckpt takes them.
+        server_pid: the server's process (its CPU time can be measured).
+    """
+
+    uri: str
+    storage_options: dict[str, Any]
+    server_pid: int
+
+
 @contextlib.contextmanager
-def seaweedfs_bucket() -> Iterator[tuple[str, dict[str, Any]]]:
-    """A SeaweedFS server with a fresh bucket: yields ``(s3://bucket, storage options)``
-    (fsspec/s3fs style, as cloudckpt takes them); stops the server after."""
+def seaweedfs_bucket() -> Iterator[BenchBucket]:
+    """A SeaweedFS server with a fresh bucket; stops the server after."""
 
     with seaweedfs_s3() as server:
         bucket = f"cloudckpt-bench-{os.urandom(4).hex()}"
@@ -362,4 +376,4 @@ def seaweedfs_bucket() -> Iterator[tuple[str, dict[str, Any]]]:
             "secret": SEAWEEDFS_SECRET,
             "client_kwargs": {"region_name": SEAWEEDFS_REGION},
         }
-        yield f"s3://{bucket}", options
+        yield BenchBucket(f"s3://{bucket}", options, server.process.pid)
