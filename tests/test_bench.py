@@ -350,4 +350,8 @@ def test_compare_runs_the_peers_side_by_side_on_one_workload(tmp_path: Path) -> 
     assert set(result["peers"]) == {f"{peer} @ local" for peer in peers.split(",")}
     for figures in result["peers"].values():
         assert all(figures[k] > 0 for k in ("save_s", "load_s", "save_mb_s", "load_mb_s"))
+        # the ranks' CPU in each phase; no store process on local disk
+        assert figures["save_cpu_s"] > 0 and figures["load_cpu_s"] > 0
+        assert figures["save_store_cpu_s"] is None and figures["load_store_cpu_s"] is None
     assert "dcp fsspec @ local" in proc.stdout and "ckpt/peer save" in proc.stdout
+    assert "where the time went" in proc.stdout
