@@ -28,7 +28,7 @@ def seaweedfs_bucket(proxy: bool = False) -> Iterator[tuple[str, dict[str, Any],
     from tests import servers  # noqa: PLC0415 - the dev extra's server, as the tests use
     from tests.faultproxy import FaultProxy  # noqa: PLC0415
 
-    server = servers.start_seaweedfs_s3()
+    server = servers.start_seaweedfs_s3(memory_limit=servers.SEAWEEDFS_BENCH_MEMORY_LIMIT)
     try:
         with contextlib.ExitStack() as stack:
             counting = None

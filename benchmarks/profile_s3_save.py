@@ -303,12 +303,15 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 
 def parent(args: argparse.Namespace) -> None:
-    from cloudckpt.bench.servers import seaweedfs_s3  # noqa: PLC0415
+    from cloudckpt.bench.servers import (  # noqa: PLC0415
+        SEAWEEDFS_BENCH_MEMORY_LIMIT,
+        seaweedfs_s3,
+    )
     from cloudckpt.config import parse_size  # noqa: PLC0415
 
     size = parse_size(args.size)
     results = []
-    with seaweedfs_s3() as server:
+    with seaweedfs_s3(SEAWEEDFS_BENCH_MEMORY_LIMIT) as server:
         import boto3  # type: ignore[import-untyped]  # noqa: PLC0415
 
         from cloudckpt.bench.servers import (  # noqa: PLC0415

@@ -29,6 +29,7 @@ from pathlib import Path
 # seaweedfs`` starts it too); re-exported here for the tests and benchmarks.
 from cloudckpt.bench.servers import (  # noqa: F401 - re-exported
     LOOPBACK,
+    SEAWEEDFS_BENCH_MEMORY_LIMIT,
     SEAWEEDFS_KEY,
     SEAWEEDFS_POLL_TIMEOUT_S,
     SEAWEEDFS_REGION,

@@ -178,7 +178,7 @@ def test_bench_on_s3_counts_requests_of_save_load_and_the_raw_limit(
     assert requests["save"] >= figures["objects"]["save"]
     assert requests["async_total"] >= figures["objects"]["save"]
     assert requests["load"] >= WORLD_SIZE  # every rank read its shards
-    for setting in ("boto3 x16", "boto3 x64 8MiB"):
+    for setting in ("boto3 x16", "boto3 x64 8MiB", "boto3 x1 128MiB"):
         # one object per rank: a PUT (or a multipart upload), then HEAD + ranged GETs
         assert requests[f"raw_put[{setting}]"] >= WORLD_SIZE
         assert requests[f"raw_get[{setting}]"] >= 2 * WORLD_SIZE
