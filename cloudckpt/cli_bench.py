@@ -140,6 +140,19 @@ def _destination(args: argparse.Namespace) -> Iterator[_Destination]:
             yield _Destination(directory, {})
 
 
+def _check_server_pid(args: argparse.Namespace) -> None:
+    """Refuse a ``--server-pid`` without ``--uri``, or whose CPU time cannot be read."""
+    from cloudckpt.bench.clock import process_cpu_seconds  # noqa: PLC0415
+
+    if not args.uri:
+        raise UsageError("--server-pid names the process of the store at --uri: give --uri")
+    if process_cpu_seconds(args.server_pid) is None:
+        raise UsageError(
+            f"--server-pid {args.server_pid}: no such process on this host, or its CPU time "
+            f"cannot be read (/proc/{args.server_pid}/stat)"
+        )
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from cloudckpt.bench import raw, report  # noqa: PLC0415 - torch only when benchmarking
     from cloudckpt.bench.runner import BenchOptions, run_bench  # noqa: PLC0415
@@ -154,8 +167,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("--constant-structure needs --backend torch_dist (its plan cache)")
     if args.plot:
         report.require_matplotlib()
-    if args.server_pid is not None and not args.uri:
-        raise UsageError("--server-pid names the process of the store at --uri: give --uri")
+    if args.server_pid is not None:
+        _check_server_pid(args)
     with _destination(args) as where:
         uri = where.uri
         if uri.startswith("s3://"):

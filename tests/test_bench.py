@@ -190,6 +190,12 @@ def test_bench_server_pid_needs_uri(tmp_path: Path) -> None:
     assert "--server-pid names the process of the store at --uri" in proc.stderr
 
 
+def test_bench_server_pid_must_be_a_process_here(tmp_path: Path) -> None:
+    proc = _bench("--uri", str(tmp_path), "--server-pid", str(2**31 - 1))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--server-pid {2**31 - 1}: no such process on this host" in proc.stderr
+
+
 def test_process_cpu_seconds_of_a_busy_process_grows() -> None:
     child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

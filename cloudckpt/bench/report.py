@@ -7,7 +7,7 @@ slowest rank's time. Ratios compare throughputs (1.0: as fast as the raw limit; 
 only as long as one copy of its state to host memory takes).
 
 Where the time goes: each timed phase's CPU seconds, of the rank processes together and
-of the store's process when the bench started it on this host, and ``busy``, their sum
+of the store's process when it runs on this host (its pid known), and ``busy``, their sum
 over wall time x this host's cores (near 1.0: the phase is bound by this host's CPUs,
 not by the store's limit or the network).
 """
@@ -209,7 +209,7 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"{phase:<26}{secs:10.3f}{''.join(cells)}{counted}")
     lines.append(
         f"CPU s: the {summary['world_size']} rank processes together; store: the store's "
-        f"process (when the bench started it); busy: their sum / (seconds x "
+        f"process (where its pid is known); busy: their sum / (seconds x "
         f"{summary['host_cpus']} cores)"
     )
     reads = summary.get("reads", {})
