@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests" / "compat"))
 import harness  # noqa: E402 - tests/compat, after the path set-up
 import torch  # noqa: E402
 
-from cloudckpt.bench.workload import build_state, plan_workload  # noqa: E402
+from cloudckpt.bench.workload import build_state, load_target, plan_workload  # noqa: E402
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -51,7 +51,7 @@ def _rank(rank: int, world: int, size: int, directory: str) -> tuple[float, floa
     if rank == 0:
         Path(directory).mkdir(parents=True, exist_ok=True)
     save = _timed(lambda: dist_checkpointing.save(state, directory))
-    target = build_state(spec, rank, empty=True, **classes)
+    target = load_target(spec, rank, **classes)
     load = _timed(lambda: dist_checkpointing.load(target, directory))
     return save, load
 

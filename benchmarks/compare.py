@@ -60,7 +60,13 @@ import torch
 import cloudckpt
 from cloudckpt.bench import raw
 from cloudckpt.bench.clock import Clock, Span
-from cloudckpt.bench.workload import WorkloadSpec, build_state, plan_workload, rank_share
+from cloudckpt.bench.workload import (
+    WorkloadSpec,
+    build_state,
+    load_target,
+    plan_workload,
+    rank_share,
+)
 from cloudckpt.cli_bench import parse_size
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.launch import RankPool
@@ -122,7 +128,7 @@ _SERVER_PID: list[int | None] = [None]  # the target's store process, set per ca
 
 
 def _empty_like(share: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: torch.empty_like(t) for k, t in share.items()}
+    return {k: torch.zeros_like(t) for k, t in share.items()}  # touched, as load_target
 
 
 def _dcp_fsspec(uri: str, options: dict[str, Any], threads: int) -> tuple[Any, Any]:
@@ -209,7 +215,7 @@ def _run_cloudckpt(
 ) -> tuple[Span, Span]:
     config = CheckpointConfig(backend="torch_dist")
     save = _timed(lambda: cloudckpt.save(state, uri, storage_options=options, config=config))
-    target = build_state(spec, rank, empty=True)
+    target = load_target(spec, rank)
     load = _timed(lambda: cloudckpt.load(target, uri, storage_options=options, config=config))
     return save, load
 

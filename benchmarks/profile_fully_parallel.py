@@ -49,7 +49,7 @@ import torch
 
 import cloudckpt
 from cloudckpt.bench.runner import _dp_group, _replicas_kept
-from cloudckpt.bench.workload import build_state, plan_workload
+from cloudckpt.bench.workload import build_state, load_target, plan_workload
 from cloudckpt.cli_bench import parse_size
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.launch import run_on_ranks
@@ -253,7 +253,7 @@ def _round(
 ) -> None:
     with _replicas_kept(state), _measured(f"{label}-save", prof, rank):
         cloudckpt.save(state, uri, sharded_strategy=save_strategy, config=config)
-    target = build_state(spec, rank, empty=True)
+    target = load_target(spec, rank)
     with _measured(f"{label}-load", prof, rank):
         loaded = cloudckpt.load(target, uri, load_strategy, config=config)
     assert isinstance(loaded, dict)

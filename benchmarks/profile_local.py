@@ -46,7 +46,13 @@ import torch
 
 import cloudckpt
 from cloudckpt.bench import raw
-from cloudckpt.bench.workload import build_state, local_tensors, plan_workload, rank_share
+from cloudckpt.bench.workload import (
+    build_state,
+    load_target,
+    local_tensors,
+    plan_workload,
+    rank_share,
+)
 from cloudckpt.cli_bench import parse_size
 from cloudckpt.launch import run_on_ranks
 from cloudckpt.mapping import ShardedTensor, StateDict
@@ -109,7 +115,7 @@ def _round(
     )
     ckpt = _broadcast(f"{run}/ckpt-{uuid.uuid4().hex[:6]}" if rank == 0 else "")
     figures["save"] = _phase(lambda: cloudckpt.save(state, ckpt), prof("save"))
-    target = build_state(spec, rank, empty=True)
+    target = load_target(spec, rank)
     figures["load"] = _phase(lambda: cloudckpt.load(target, ckpt), prof("load"))
     target.clear()  # the loaded copy is not kept through the next phase
     _remove(ckpt, rank)
@@ -162,7 +168,7 @@ def count_collectives(rank: int, world_size: int, size: int, run: str) -> dict[s
         cloudckpt.save(state, ckpt)
         saved = list(names)
         names.clear()
-        cloudckpt.load(build_state(spec, rank, empty=True), ckpt)
+        cloudckpt.load(load_target(spec, rank), ckpt)
     _remove(ckpt, rank)
     return {"save": saved, "load": list(names)}
 

@@ -16,9 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-from cloudckpt.bench import clock, report
+from cloudckpt.bench import clock, report, workload
 from cloudckpt.bench.runner import RankFigures
-from cloudckpt.bench.workload import build_state, local_tensors, plan_workload, rank_share
+from cloudckpt.bench.workload import (
+    build_state,
+    load_target,
+    local_tensors,
+    plan_workload,
+    rank_share,
+)
 from cloudckpt.cli_bench import parse_size
 from tests.fixtures_object_stores import S3_CASES, bucket_location, server_for
 
@@ -306,6 +312,22 @@ def test_workload_shares_cover_the_checkpoint_once(world_size: int) -> None:
     state = build_state(spec, 0)
     dtypes = {t.dtype for t in local_tensors(state)}
     assert dtypes == {torch.bfloat16, torch.float32}
+
+
+def test_load_target_is_the_state_zeroed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's destination is allocated and written before the load is timed (its
+    allocations made non-zero here, so that only writing them passes)."""
+    spec = plan_workload(4 * 2**20, 4)
+    state = build_state(spec, 1)
+    full = torch.full
+    monkeypatch.setattr(
+        workload.torch, "empty", lambda shape, dtype=None: full(tuple(shape), 7, dtype=dtype)
+    )
+    target = load_target(spec, 1)
+    tensors = local_tensors(target)
+    assert [t.shape for t in tensors] == [t.shape for t in local_tensors(state)]
+    assert all(not t.any() for t in tensors)
+    assert any(t.any() for t in local_tensors(state))
 
 
 def test_workload_replicas_hold_the_same_values() -> None:

@@ -47,6 +47,7 @@ from cloudckpt.bench.clock import Clock, Span
 from cloudckpt.bench.workload import (
     WorkloadSpec,
     build_state,
+    load_target,
     local_tensors,
     plan_workload,
     rank_share,
@@ -371,7 +372,7 @@ def _save_and_load(
     if rank == 0:
         figures.objects[save_phase] = _count_objects(ckpt, options)
     loaded: list[StateDict] = []
-    target = build_state(spec, rank, empty=True)
+    target = load_target(spec, rank)
     _measured(figures, load_phase, lambda: _load(target, ckpt, options, loaded, strategies.load))
     _check_loaded(loaded[0], state)
     target.clear()  # the loaded copy is not kept through the next phase

@@ -154,6 +154,28 @@ def build_state(
     return state
 
 
+def load_target(
+    spec: WorkloadSpec,
+    rank: int,
+    *,
+    tensor_cls: Any = ShardedTensor,
+    object_cls: Any = ShardedObject,
+) -> StateDict:
+    """The state a load of rank ``rank`` fills: its tensors allocated and set to zero
+    before the load, as a model's parameters are when a checkpoint is loaded into them.
+    A load into untouched memory would also pay the kernel's first touch of every page
+    (half of a 2 GiB local load's time here), which no baseline pays: the raw read's
+    buffer is zeroed before it is timed too."""
+    state = build_state(spec, rank, empty=True, tensor_cls=tensor_cls, object_cls=object_cls)
+    for group in ("model", "optimizer"):
+        section = state[group]
+        assert isinstance(section, dict)
+        for item in section.values():  # either project's ShardedTensor
+            if isinstance(getattr(item, "data", None), torch.Tensor):
+                item.data.zero_()
+    return state
+
+
 def _optimizer_states(
     spec: WorkloadSpec,
     param: _Param,
