@@ -59,7 +59,7 @@ import torch
 
 import cloudckpt
 from cloudckpt.bench import raw
-from cloudckpt.bench.clock import Clock, Span
+from cloudckpt.bench.clock import Clock, Span, busy
 from cloudckpt.bench.workload import (
     WorkloadSpec,
     build_state,
@@ -120,15 +120,9 @@ def _workload(rank: int, world: int, size: int) -> tuple[WorkloadSpec, Any, dict
     return _STATE[key]
 
 
-def _timed(fn: Callable[[], object]) -> Span:
-    return Clock(_SERVER_PID[0]).span(fn)
-
-
-_SERVER_PID: list[int | None] = [None]  # the target's store process, set per call
-
-
-def _empty_like(share: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: torch.zeros_like(t) for k, t in share.items()}  # touched, as load_target
+def _zeros_like(share: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DCP's load target: allocated and written before the timing, as load_target's."""
+    return {k: torch.zeros_like(t) for k, t in share.items()}
 
 
 def _dcp_fsspec(uri: str, options: dict[str, Any], threads: int) -> tuple[Any, Any]:
@@ -166,27 +160,29 @@ def _s3tc(uri: str, options: dict[str, Any], threads: int) -> tuple[Any, Any]:
 
 
 def _run_dcp(
-    share: dict[str, Any], uri: str, make: Callable[[], tuple[Any, Any]]
+    share: dict[str, Any], make: Callable[[], tuple[Any, Any]], clock: Clock
 ) -> tuple[Span, Span]:
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
 
     writer, reader = make()
-    save = _timed(lambda: dcp.save(share, storage_writer=writer))
-    target = _empty_like(share)
-    load = _timed(lambda: dcp.load(target, storage_reader=reader()))
+    save = clock.span(lambda: dcp.save(share, storage_writer=writer))
+    target = _zeros_like(share)
+    load = clock.span(lambda: dcp.load(target, storage_reader=reader()))
     first = next(iter(share))
     assert torch.equal(target[first], share[first]), "DCP load differs from its save"
     return save, load
 
 
-def _run_torch(share: dict[str, Any], uri: str, rank: int) -> tuple[Span, Span]:
+def _run_torch(share: dict[str, Any], uri: str, rank: int, clock: Clock) -> tuple[Span, Span]:
     directory = raw.local_path(uri)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank{rank}.pt"
-    return _timed(lambda: raw.torch_save(path, share)), _timed(lambda: raw.torch_load(path))
+    return clock.span(lambda: raw.torch_save(path, share)), clock.span(lambda: raw.torch_load(path))
 
 
-def _run_raw(share: dict[str, Any], uri: str, rank: int, target: Target) -> tuple[Span, Span]:
+def _run_raw(
+    share: dict[str, Any], uri: str, rank: int, target: Target, clock: Clock
+) -> tuple[Span, Span]:
     payload = raw.payload_of(share)
     if target.name == "local":
         directory = raw.local_path(uri)
@@ -194,8 +190,8 @@ def _run_raw(share: dict[str, Any], uri: str, rank: int, target: Target) -> tupl
         path = directory / f"rank{rank}.bin"
         sink = bytearray(len(payload))
         return (
-            _timed(lambda: raw.write_file(path, payload)),
-            _timed(lambda: raw.read_file(path, sink)),
+            clock.span(lambda: raw.write_file(path, payload)),
+            clock.span(lambda: raw.read_file(path, sink)),
         )
     setting = raw.S3_SETTINGS[0]
     client = raw.s3_client(target.options, setting)
@@ -203,20 +199,20 @@ def _run_raw(share: dict[str, Any], uri: str, rank: int, target: Target) -> tupl
     bucket, prefix = raw.split_s3(f"{uri}/rank{rank}.bin")
     try:
         return (
-            _timed(lambda: raw.s3_put(client, bucket, prefix, payload, config)),
-            _timed(lambda: raw.s3_get(client, bucket, prefix, config)),
+            clock.span(lambda: raw.s3_put(client, bucket, prefix, payload, config)),
+            clock.span(lambda: raw.s3_get(client, bucket, prefix, config)),
         )
     finally:
         client.close()
 
 
 def _run_cloudckpt(
-    spec: WorkloadSpec, state: Any, rank: int, uri: str, options: dict[str, Any]
+    spec: WorkloadSpec, state: Any, rank: int, uri: str, options: dict[str, Any], clock: Clock
 ) -> tuple[Span, Span]:
     config = CheckpointConfig(backend="torch_dist")
-    save = _timed(lambda: cloudckpt.save(state, uri, storage_options=options, config=config))
+    save = clock.span(lambda: cloudckpt.save(state, uri, storage_options=options, config=config))
     target = load_target(spec, rank)
-    load = _timed(lambda: cloudckpt.load(target, uri, storage_options=options, config=config))
+    load = clock.span(lambda: cloudckpt.load(target, uri, storage_options=options, config=config))
     return save, load
 
 
@@ -240,18 +236,18 @@ def _rank_peer(
 ) -> tuple[Span, Span]:
     spec, state, share = _workload(rank, world, size)
     options = target.options
-    _SERVER_PID[0] = target.server_pid
+    clock = Clock(target.server_pid)
     if peer == "torch.save":
-        return _run_torch(share, uri, rank)
+        return _run_torch(share, uri, rank, clock)
     if peer == "cloudckpt":
-        return _run_cloudckpt(spec, state, rank, uri, options)
+        return _run_cloudckpt(spec, state, rank, uri, options, clock)
     if peer == "raw":
-        return _run_raw(share, uri, rank, target)
+        return _run_raw(share, uri, rank, target, clock)
     threads = TUNED_THREADS if peer.endswith(f"x{TUNED_THREADS}") else 1
     if peer.startswith("dcp fsspec"):
-        return _run_dcp(share, uri, lambda: _dcp_fsspec(uri, options, threads))
+        return _run_dcp(share, lambda: _dcp_fsspec(uri, options, threads), clock)
     if peer.startswith("s3torchconnector"):
-        return _run_dcp(share, uri, lambda: _s3tc(uri, options, threads))
+        return _run_dcp(share, lambda: _s3tc(uri, options, threads), clock)
     raise ValueError(f"unknown peer {peer!r}")
 
 
@@ -453,9 +449,9 @@ def _cpu_cells(figures: dict[str, Any], phase: str, cores: int) -> str:
     cpu, store = figures.get(f"{phase}_cpu_s"), figures.get(f"{phase}_store_cpu_s")
     if cpu is None:
         return f"{'':>24}"
-    busy = (cpu + (store or 0.0)) / (figures[f"{phase}_s"] * cores)
+    share = busy(cpu, store, figures[f"{phase}_s"], cores)
     shown = f"{store:7.2f}" if store is not None else f"{'':>7}"
-    return f"{cpu:10.2f}{shown}{busy:7.2f}"
+    return f"{cpu:10.2f}{shown}{share:7.2f}"
 
 
 def table_lines(result: dict[str, Any]) -> list[str]:

@@ -57,6 +57,12 @@ def cpu_of_stat(stat: str) -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def busy(cpu_s: float, server_cpu_s: float | None, seconds: float, cores: int) -> float:
+    """How busy a phase kept the host: its CPU seconds (clients' and, where measured, the
+    store's) over its wall time x the host's cores (near 1.0: bound by this host's CPUs)."""
+    return (cpu_s + (server_cpu_s or 0.0)) / (seconds * cores)
+
+
 @dataclass(frozen=True)
 class Clock:
     """Times phases between barriers of the default process group.

@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from cloudckpt.bench.clock import busy
 from cloudckpt.bench.workload import WorkloadSpec
 from cloudckpt.storage import MissingDependencyError
 
@@ -138,8 +139,8 @@ def _cpu_figures(
             if name in figures:
                 figures[kind] = figures[name]
     cores = os.cpu_count() or 1
-    busy = {
-        p: (clients[p] + server.get(p, 0.0)) / (seconds[p] * cores)
+    shares = {
+        p: busy(clients[p], server.get(p), seconds[p], cores)
         for p in clients
         if p in seconds and seconds[p] > 0
     }
@@ -147,7 +148,7 @@ def _cpu_figures(
         "cpu_seconds": clients,
         "server_cpu_seconds": server,
         "host_cpus": cores,
-        "busy": busy,
+        "busy": shares,
     }
 
 
