@@ -172,9 +172,13 @@ def test_bench_on_s3_counts_requests_of_save_load_and_the_raw_limit(
     figures = _figures(proc, out)
     best = figures["raw_best"]
     _assert_common(figures, (best["raw_put"], best["raw_get"]))
-    if pid is not None:  # the store worked in every phase that moved bytes
-        for phase in ("save", "load", "raw_put", "raw_get", best["raw_put"], best["raw_get"]):
-            assert figures["server_cpu_seconds"][phase] > 0, phase
+    if pid is not None:
+        # the store's CPU is counted in clock ticks (10 ms): one phase of a few MiB may
+        # cost less than a tick, the whole run does not
+        phases = ("save", "load", "raw_put", "raw_get", best["raw_put"], best["raw_get"])
+        store = figures["server_cpu_seconds"]
+        assert all(store[phase] >= 0 for phase in phases), store
+        assert sum(store[phase] for phase in phases) > 0, store
         assert figures["cpu_seconds"]["raw_put"] == figures["cpu_seconds"][best["raw_put"]]
     assert set(figures["ratios"]) == set(S3_RATIOS)
     assert figures["backend"] == "torch_dist"
