@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -44,7 +45,9 @@ def _demo_args(
     )
 
 
-def _assert_all_match(proc: subprocess.CompletedProcess[str], world_size: int) -> None:
+def _assert_all_match(
+    proc: subprocess.CompletedProcess[str], world_size: int, backend: str = "torch_dist"
+) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     ranks = "1 rank " if world_size == 1 else f"{world_size} ranks "
@@ -52,6 +55,9 @@ def _assert_all_match(proc: subprocess.CompletedProcess[str], world_size: int) -
     assert f"all {NUM_TENSORS} tensors match on every rank" in out
     assert f"tensors:      {NUM_TENSORS} per rank (each rank's state dict holds its shard" in out
     assert f"              {NUM_ARRAYS} in the checkpoint (whole tensors;" in out
+    # the backend is imported before training, as a training job's start-up does: the
+    # save's time is the save's, not a first `import torch.distributed.checkpoint`
+    assert re.search(rf"backend: +{backend}, imported at start-up in [0-9.]+ s \(before", out)
     assert re.search(r"save: +[0-9.]+ s, [0-9.]+ MB/s", out), out
     assert re.search(r"load: +[0-9.]+ s, [0-9.]+ MB/s", out), out
 
@@ -235,18 +241,21 @@ def test_demo_on_gcs_configured_by_a_yaml_file(
         "storage_options": {k: v for k, v in options.items() if k != "skip_instance_cache"},
         "part_size": "8MiB",
         "max_in_flight": 4,
+        "backend": "zarr",
     }
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump({"model": {"layers": 2}, "cloudckpt": section}))
     proc = _demo_args(["--config", str(config), "--world-size", "2"], env=_env())
-    _assert_all_match(proc, 2)
+    _assert_all_match(proc, 2, backend="zarr")
     assert f"checkpoint:   {uri}" in proc.stdout
     # the next commands need the config's storage options too
     _, commands = _next_steps(proc.stdout)
     assert commands[0][-4:] == ["ls", f"{bucket_uri}/demo-run", "--config", str(config)]
     assert commands[1][-5:] == ["verify", uri, "--deep", "--config", str(config)]
-    stored = CheckpointStorage(uri, storage_options=options).list()
+    store = CheckpointStorage(uri, storage_options=options)
+    stored = store.list()
     assert "metadata.json" in stored and "common.pt" in stored
+    assert json.loads(store.read("metadata.json"))["sharded_backend"] == "zarr"
 
 
 def test_demo_reports_a_missing_config_file(tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ class DemoResult:
         stored_objects: objects of the checkpoint as ``cloudckpt verify`` counts them:
             those its manifest lists (every object but manifest.json and metadata.json).
         stored_bytes: their total size.
-        save_s: wall time of ``save`` (all ranks, barrier to barrier).
+        save_s: wall time of ``save`` (all ranks, barrier to barrier; the last one with
+            ``resume``).
         load_s: wall time of ``load``.
         first_loss: DP-mean loss of the first step.
         last_loss: DP-mean loss of the last step.
@@ -40,6 +41,10 @@ class DemoResult:
         resumed_from: with ``resume``, the checkpoint the run resumed from, or "" when
             the run had none; None without ``resume``.
         start_iteration: the iteration training started from.
+        backend: the sharded backend saved with (``torch_dist`` or ``zarr``).
+        import_s: wall time of importing that backend's modules at start-up, before
+            training (a process's first ``import torch.distributed.checkpoint`` takes
+            seconds; cloudckpt, like Megatron-Core, imports a backend on first use).
     """
 
     world_size: int
@@ -58,6 +63,8 @@ class DemoResult:
     checkpoint_uri: str = ""
     resumed_from: str | None = None
     start_iteration: int = 0
+    backend: str = "torch_dist"
+    import_s: float = 0.0
 
     def summary_lines(self, uri: str) -> list[str]:
         """Human-readable summary, one line each."""
@@ -76,6 +83,8 @@ class DemoResult:
             f"objects:      {self.stored_objects} in the checkpoint, "
             f"{self.stored_bytes / 1e6:.2f} MB (counted as `cloudckpt verify` does:",
             "              the manifest's objects, without manifest.json and metadata.json)",
+            f"backend:      {self.backend}, imported at start-up in {self.import_s:.3f} s "
+            "(before training; not in the save)",
             f"save:         {self.save_s:.3f} s, {mb / max(self.save_s, 1e-9):.1f} MB/s",
             f"load:         {self.load_s:.3f} s, {mb / max(self.load_s, 1e-9):.1f} MB/s",
         ]

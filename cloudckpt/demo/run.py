@@ -44,7 +44,7 @@ from cloudckpt.errors import CheckpointingException
 from cloudckpt.launch import run_on_ranks
 from cloudckpt.manifest import MANIFEST_FNAME, Manifest
 from cloudckpt.mapping import ShardedStateDict
-from cloudckpt.serialization import load, save
+from cloudckpt.serialization import get_default_save_sharded_strategy, load, save
 from cloudckpt.storage import open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,7 @@ def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult |
     """One rank's job: train, save, load into the other layout, check; rank 0 reports."""
     torch.manual_seed(options.seed + rank)
     torch.set_num_threads(1)
+    import_s = _timed(lambda: _import_backend(options))
     save_layout, load_layout = options.layouts(rank)
     trainer = Trainer(
         options.config, save_layout, options.seed, options.lr, options.batch_size, options.seq_len
@@ -231,6 +232,8 @@ def _rank_main(rank: int, world_size: int, options: DemoOptions) -> DemoResult |
         stored_bytes=stored.total_size if stored else 0,
         save_s=save_s,
         load_s=load_s,
+        backend=_backend(options),
+        import_s=import_s,
         first_loss=losses[0] if losses else math.nan,
         last_loss=losses[-1] if losses else math.nan,
         mismatches=tuple(all_mismatches),
@@ -301,6 +304,18 @@ def _all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(out, obj)
     return out
+
+
+def _backend(options: DemoOptions) -> str:
+    return options.checkpoint.backend if options.checkpoint is not None else "torch_dist"
+
+
+def _import_backend(options: DemoOptions) -> None:
+    """Import the save backend's modules now, as a training job's start-up does (importing
+    Megatron-Core loads torch.distributed.checkpoint): cloudckpt, like Megatron-Core,
+    imports a backend on its first use, and the first ``import torch.distributed.checkpoint``
+    of a process takes seconds, which the demo reports apart from the save's time."""
+    get_default_save_sharded_strategy(_backend(options))
 
 
 def _timed(fn: Callable[[], object]) -> float:
