@@ -1,17 +1,19 @@
-"""cloudckpt as a drop-in for Megatron-Core 0.15.3's ``dist_checkpointing`` (``-m compat``).
+"""cloudckpt as a drop-in for Megatron-Core's ``dist_checkpointing`` (``-m compat``), for
+0.15.3 (the last release with the zarr backend) and 0.19.2 (the current one).
 
-Megatron-Core runs in the ``mcore-0.15-dropin`` environment (built and cached by
-``scripts/compat-env.sh``: Megatron-Core 0.15.3 plus cloudckpt's runtime dependencies)
-with cloudckpt imported from this repository and an import hook
+Megatron-Core runs in the ``mcore-0.15-dropin`` or the ``mcore-0.19`` environment (built
+and cached by ``scripts/compat-env.sh``: Megatron-Core plus cloudckpt's runtime
+dependencies) with cloudckpt imported from this repository and an import hook
 (``tests/compat/dropin.py``) that makes ``megatron.core.dist_checkpointing`` be
 cloudckpt. ``tests/compat/mcore_dropin.py`` builds Megatron's own GPT model on 4 gloo
 CPU ranks, takes one Adam step, and saves the model's and the optimizer's sharded state
 dicts through ``megatron.core.dist_checkpointing.save`` to a bucket on the S3 test
-server (SeaweedFS); then it loads them into other tensor-parallel x data-parallel
-layouts. This side checks every saved and every loaded shard, bit for bit, against the
+server (SeaweedFS); then it loads them into another tensor-parallel x data-parallel
+layout. This side checks every saved and every loaded shard, bit for bit, against the
 slice of the stored global tensors (``cloudckpt.load_plain_tensors``) that the shard's
-own metadata names. Where the environment cannot be installed here, the tests skip with
-pip's error, as the other compatibility tests do.
+own metadata names. The fully parallel save and load run with 0.15.3. Where an
+environment cannot be installed here, the tests skip with pip's error, as the other
+compatibility tests do.
 """
 
 from __future__ import annotations
@@ -40,9 +42,25 @@ DROPIN_SCRIPT = REPO_ROOT / "tests" / "compat" / "mcore_dropin.py"
 REAL_S3 = [case for case in S3_CASES if case != "s3-moto"]  # SeaweedFS, or an external one
 
 
+# Megatron-Core release -> its environment, and the TP size its save is loaded back into
+# (the other TP size of the two: 4 = TP 2 -> 4, 1 = TP 2 -> 1 x DP 4; one load each keeps the
+# file's time down, as the resharding itself is cloudckpt's code in both)
+DROPIN_ENVS = {"0.15.3": ("mcore-0.15-dropin", 1), "0.19.2": ("mcore-0.19", 4)}
+
+
 @pytest.fixture(scope="session")
 def mcore15_dropin() -> MegatronEnv:
     return _build("mcore-0.15-dropin")
+
+
+@pytest.fixture(scope="module", params=list(DROPIN_ENVS), ids=lambda v: f"mcore{v}")
+def dropin_env(request: pytest.FixtureRequest) -> tuple[str, MegatronEnv]:
+    """(Megatron-Core version, the environment whose Megatron-Core runs with cloudckpt in
+    place of its dist_checkpointing): the last release with zarr, and the current one."""
+    version = request.param
+    if version.startswith("0.15."):
+        return version, request.getfixturevalue("mcore15_dropin")
+    return version, _build(DROPIN_ENVS[version][0])
 
 
 @pytest.fixture(scope="module", params=REAL_S3)
@@ -106,25 +124,27 @@ def _check_shards(result: dict[str, Any], plain: dict[str, Any]) -> int:
 
 @pytest.fixture(scope="module")
 def saved(
-    mcore15_dropin: MegatronEnv,
+    dropin_env: tuple[str, MegatronEnv],
     s3_location: tuple[str, dict[str, Any]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """Megatron-Core's GPT model and optimizer state, saved by cloudckpt in its place to
     the S3 server from 4 ranks, TP=2 x DP=2: (uri, storage options, save result)."""
+    version, env = dropin_env
     bucket, options = s3_location
-    uri = f"{bucket}/gpt/iter_0000007"
+    uri = f"{bucket}/gpt-{version}/iter_0000007"
     out = tmp_path_factory.mktemp("dropin") / "save.json"
-    result = _run(mcore15_dropin, options, out, "save", "--uri", uri, "--world", "4", "--tp", "2")
+    result = _run(env, options, out, "save", "--uri", uri, "--world", "4", "--tp", "2")
     return uri, options, result
 
 
 def test_megatron_gpt_saved_through_cloudckpt_to_s3(
+    dropin_env: tuple[str, MegatronEnv],
     saved: tuple[str, dict[str, Any], dict[str, Any]],
 ) -> None:
     uri, options, result = saved
     ranks = result["ranks"]
-    assert [r["megatron_version"] for r in ranks] == ["0.15.3"] * 4
+    assert [r["megatron_version"] for r in ranks] == [dropin_env[0]] * 4
     assert {r["dist_checkpointing"] for r in ranks} == {"cloudckpt"}  # the hook redirected it
     assert [(r["tp"], r["dp"]) for r in ranks] == [(2, 2)] * 4
     assert cloudckpt.check_is_distributed_checkpoint(uri, storage_options=options)
@@ -138,17 +158,18 @@ def test_megatron_gpt_saved_through_cloudckpt_to_s3(
     assert _check_shards(result, plain) == sum(len(r["shards"]) for r in ranks) > 20
 
 
-@pytest.mark.parametrize("tp", [4, 1], ids=["tp4", "tp1dp4"])
 def test_megatron_gpt_loads_resharded_from_s3(
-    mcore15_dropin: MegatronEnv,
+    dropin_env: tuple[str, MegatronEnv],
     saved: tuple[str, dict[str, Any], dict[str, Any]],
     tmp_path: Path,
-    tp: int,
 ) -> None:
-    """Loaded into TP=4 (DP=1) and TP=1 x DP=4, strict, on Megatron-Core's own model."""
+    """Loaded into TP=1 x DP=4 (0.15) or TP=4 x DP=1 (0.19), strict, on Megatron-Core's
+    own model."""
+    version, env = dropin_env
+    tp = DROPIN_ENVS[version][1]
     uri, options, _ = saved
     result = _run(
-        mcore15_dropin, options, tmp_path / "load.json", "load", "--uri", uri, "--world", "4",
+        env, options, tmp_path / "load.json", "load", "--uri", uri, "--world", "4",
         "--tp", str(tp),
     )  # fmt: skip
     ranks = result["ranks"]

@@ -1,12 +1,13 @@
-"""Megatron-Core 0.15.3's own GPT model checkpointed by cloudckpt in its place.
+"""Megatron-Core's own GPT model checkpointed by cloudckpt in its place (0.15.3, 0.19.2).
 
     PYTHONPATH=REPO python tests/compat/mcore_dropin.py save --uri s3://b/ckpt --world 4 \
         --tp 2 --out R
     PYTHONPATH=REPO python tests/compat/mcore_dropin.py load --uri s3://b/ckpt --world 4 \
         --tp 4 --out R
 
-Runs in the ``mcore-0.15-dropin`` environment (Megatron-Core plus cloudckpt's runtime
-dependencies; cloudckpt itself comes from the repository on ``PYTHONPATH``). Each rank
+Runs in the ``mcore-0.15-dropin`` or ``mcore-0.19`` environment (Megatron-Core plus
+cloudckpt's runtime dependencies; cloudckpt itself comes from the repository on
+``PYTHONPATH``). Each rank
 installs the import hook of :mod:`dropin` first, so every ``megatron.core.
 dist_checkpointing`` import - Megatron-Core's own, in ``megatron.core`` and in the model
 code, and this script's - gets cloudckpt. Then, on gloo CPU ranks:
@@ -33,7 +34,8 @@ with ``use_distributed_optimizer=True`` fails in ``MixedPrecisionOptimizer.__ini
 ``DistributedOptimizer`` would next refuse CPU parameters: "Wrapped parameters must be
 one of torch.cuda.FloatTensor, ..."), and with ``False`` in ``FP32Optimizer.__init__``
 (``torch.tensor([1.0], device='cuda')``, line 903); both raise "Torch not compiled with
-CUDA enabled". Megatron's ``DistributedDataParallel`` wrapper itself builds on CPU. So
+CUDA enabled" (0.19.2's create the same CUDA tensors: optimizer.py lines 698 and
+1249). Megatron's ``DistributedDataParallel`` wrapper itself builds on CPU. So
 the optimizer here is ``torch.optim.Adam``, with the two sharded forms above built from
 Megatron's own helpers.
 """
