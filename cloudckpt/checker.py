@@ -26,12 +26,12 @@ from typing import Any
 from cloudckpt.commit import CommitState, no_checkpoint_error
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig
-from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError
+from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError, IntegrityCheckError
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestEntry, ManifestError
 from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
 
-__all__ = ["PROBLEM_KINDS", "ConsistencyReport", "Problem", "verify"]
+__all__ = ["PROBLEM_KINDS", "ConsistencyReport", "Problem", "check_integrity", "verify"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,36 @@ def verify(
         checked_bytes=checked,
     )
     _log_report(report)
+    return report
+
+
+def check_integrity(
+    uri: str,
+    storage_options: dict[str, Any] | None = None,
+    config: CheckpointConfig | None = None,
+) -> ConsistencyReport:
+    """``load(..., verify_integrity=True)``: the deep check of :func:`verify` on rank 0,
+    its verdict raised or returned on every rank (call it on every rank).
+
+    Raises:
+        IntegrityCheckError: the checkpoint has problems (every one listed), or no
+            manifest to check against (written by Megatron-Core or PyTorch).
+        CheckpointNotFoundError: no checkpoint at ``uri``.
+    """
+    report = verify(uri, True, storage_options=storage_options, config=config, collective=True)
+    if report.foreign:
+        raise IntegrityCheckError(
+            f"checkpoint {report.uri!r} has no cloudckpt manifest (Megatron-Core or PyTorch "
+            "wrote it): verify_integrity=True has no sizes and checksums to check it against"
+        )
+    if not report.ok:
+        shown = "; ".join(f"{p.kind} {p.path or '-'}: {p.detail}" for p in report.problems[:20])
+        more = len(report.problems) - 20
+        shown += f"; and {more} more" if more > 0 else ""
+        raise IntegrityCheckError(
+            f"checkpoint {report.uri!r} failed its integrity check (verify_integrity=True): "
+            f"{len(report.problems)} problem(s): {shown}"
+        )
     return report
 
 

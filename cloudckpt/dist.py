@@ -116,6 +116,14 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
+def of_group(per_rank: list[_T], group: Any = None) -> list[_T]:
+    """The entries of ``per_rank`` (one per rank of the world, by global rank) that
+    belong to ``group``'s ranks, in group rank order; all of them for the default group."""
+    if group is None or not is_distributed() or group is torch_dist.group.WORLD:
+        return per_rank
+    return [per_rank[rank] for rank in torch_dist.get_process_group_ranks(group)]
+
+
 def all_gather_object(obj: Any, group: Any = None, what: str = "all_gather_object") -> list[Any]:
     """Gather one picklable object from every rank, indexed by rank (unpickled with the
     garbage collector paused, see :func:`paused_gc`). ``what`` names the collective in

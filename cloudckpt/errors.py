@@ -269,6 +269,16 @@ class CommonStateError(CheckpointingException, TypeError):
         return (type(self), (str(self), self.key_path))
 
 
+class UnknownAsyncStrategyError(CheckpointingException, TypeError):
+    """``async_strategy`` is neither "nvrx" nor "mcore" (Megatron-Core 0.19 raises a
+    ``TypeError`` there too)."""
+
+
+class IntegrityCheckError(CorruptObjectError):
+    """``load(..., verify_integrity=True)``: the checkpoint does not match its manifest
+    (every problem listed), or it has no manifest to check against."""
+
+
 class MalformedCheckpointError(IncompatibleCheckpointError, ValueError):
     """A checkpoint's own file cannot be parsed: ``metadata.json``, ``manifest.json``, a
     ``.zarray`` or the DCP ``.metadata`` (not JSON, not the expected document, truncated)."""

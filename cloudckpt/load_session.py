@@ -246,12 +246,15 @@ def load_checkpoint(
     strict: str | StrictHandling,
     validate: bool,
     open_session: Callable[[], LoadSession],
+    group: Any = None,
 ) -> tuple[StateDict, set[str], set[str]]:
     """Load collectively: open and read the common state and split the request (agreed,
     in the collective that also gathers every rank's shards' metadata when validation or
     ``strict`` needs it), validate the request across ranks and apply ``strict``
     (agreed where it can fail on one rank), read (agreed). Two collectives for a
-    default load. Returns the state dict and the missing and unexpected keys."""
+    default load. Returns the state dict and the missing and unexpected keys.
+    ``group``: the ranks whose requests make one complete state dict (validation and
+    missing keys consider theirs; default: every rank's)."""
     started = time.perf_counter()
     shown = redact_uri(uri)
     opened: list[tuple[StrictHandling, LoadSession, StateDict, LoadRequest]] = []
@@ -270,9 +273,8 @@ def load_checkpoint(
     # one collective: the agreement on opening carries every rank's shards' metadata
     gathered = dist.all_gather_agreed(f"opening checkpoint {shown!r}", open_and_split)
     handling, session, common_state, request = opened[0]
-    sharded, missing, unexpected = _apply_strictness(
-        session, request, handling, validate, gathered if gathered[0] is not None else None
-    )
+    tables = dist.of_group(gathered, group) if gathered[0] is not None else None
+    sharded, missing, unexpected = _apply_strictness(session, request, handling, validate, tables)
     with dist.agree(f"loading checkpoint {shown!r}"), logged_failure("load", shown):
         loaded = session.read(sharded)
         apply_factory_merges(loaded, request.factories)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from cloudckpt import dist
+from cloudckpt.checker import check_integrity
 from cloudckpt.commit import open_committed, read_commit_state
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.load_session import LoadSession, load_checkpoint
@@ -25,7 +26,7 @@ from cloudckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, St
 from cloudckpt.redact import redact_uri
 from cloudckpt.safe_pickle import weights_only_scope
 from cloudckpt.session import PreprocessCommon, SaveSession, open_storage
-from cloudckpt.strategies.async_utils import AsyncRequest
+from cloudckpt.strategies.async_utils import AsyncRequest, check_async_strategy
 from cloudckpt.strategies.base import (
     CheckpointDir,
     LoadCommonStrategy,
@@ -64,6 +65,8 @@ def save(
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: PreprocessCommon | None = None,
     content_metadata: dict[str, Any] | None = None,
+    async_strategy: str | None = "nvrx",
+    verify_integrity: bool = False,
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
@@ -93,6 +96,14 @@ def save(
             not modify its argument. Megatron-Core's spelling.
         content_metadata: stored in the common state under ``"content_metadata"``
             (:func:`load_content_metadata` returns it), as Megatron-Core does.
+        async_strategy: Megatron-Core 0.19's choice of async machinery, "nvrx" (its
+            default) or "mcore"; cloudckpt runs its own async save for either (see
+            :data:`~cloudckpt.strategies.async_utils.ASYNC_STRATEGIES`).
+        verify_integrity: Megatron-Core 0.19's request for an integrity record that
+            ``load(..., verify_integrity=True)`` checks. cloudckpt writes one with every
+            save, whatever this says: the manifest, with every object's size and CRC-32C
+            (Megatron-Core hashes the files with SHA-256 into ``integrity.json`` in an
+            extra read pass, which cloudckpt does not write).
         storage_options: fsspec options for the URI's filesystem (credentials, endpoint);
             they override the config's and the environment's.
         config: a training-config section (:func:`cloudckpt.config.from_dict`): storage
@@ -105,9 +116,11 @@ def save(
         ShardingValidationError: the sharding is inconsistent (every problem listed).
         CheckpointingException: the destination is not empty, or a rank failed to write
             (then every rank raises, naming the failed ranks).
+        UnknownAsyncStrategyError: ``async_strategy`` is not "nvrx", "mcore" or None.
         CollectiveError: a rank died, froze or stayed away from a collective
             (``RankLostError`` / ``CollectiveTimeoutError``, naming it).
     """
+    check_async_strategy(async_strategy)
     default_sharded = (config.backend, 1) if config is not None else DEFAULT_SHARDED_BACKEND
     with dist.bounded(config), dist.paused_gc():
         session = SaveSession.open_unagreed(  # its agreement travels with the save's first
@@ -181,6 +194,8 @@ def load(
     common_strategy: LoadCommonStrategy | None = None,
     validate_access_integrity: bool = True,
     strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    verify_integrity: bool = False,
+    process_group: Any = None,
     *,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
@@ -201,6 +216,15 @@ def load(
             *missing* keys (stored, requested by no rank; ``*_ALL`` modes only) and
             *unexpected* keys (requested here, not stored; dropped by every mode but
             ``ASSUME_OK_UNEXPECTED``), as in Megatron-Core.
+        verify_integrity: before loading, read every object of the checkpoint and check
+            its size and CRC-32C against the manifest (as ``cloudckpt verify --deep``,
+            on rank 0, the verdict on every rank), as Megatron-Core 0.19 checks its
+            ``integrity.json``. A checkpoint without a manifest (Megatron-Core's own)
+            cannot be checked and raises.
+        process_group: the ranks whose requests together describe one complete
+            sharded state dict: the access-integrity validation and the ``*_ALL``
+            strict modes consider this group's requests (default: every rank's), as in
+            Megatron-Core 0.19. The load itself is still a collective of every rank.
         storage_options: fsspec options for the URI's filesystem.
         config: a training-config section (storage options, in-flight requests, part
             size for ranged reads).
@@ -223,7 +247,8 @@ def load(
             ``KeyError``, deliberately not a ``FileNotFoundError``).
         UncommittedCheckpointError: the checkpoint was never committed (names the
             missing metadata.json or manifest.json).
-        CorruptObjectError: an object's size or CRC-32C differs from the manifest's.
+        CorruptObjectError: an object's size or CRC-32C differs from the manifest's
+            (``IntegrityCheckError`` from ``verify_integrity``, listing every problem).
         UnexpectedKeysError: ``RAISE_*`` and this rank requested keys the checkpoint does
             not hold (Megatron-Core's "unexpected keys").
         MissingKeysError: ``RAISE_ALL`` and the checkpoint holds keys no rank requested
@@ -236,6 +261,8 @@ def load(
     """
     uri = checkpoint_uri(checkpoint_dir)
     with weights_only_scope(weights_only), dist.bounded(config), dist.paused_gc():
+        if verify_integrity:
+            check_integrity(uri, storage_options, config)
         state, missing, unexpected = load_checkpoint(
             uri,
             sharded_state_dict,
@@ -249,6 +276,7 @@ def load(
                 config=config,
                 verify_checksums=verify_checksums,
             ),
+            group=process_group,
         )
     if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
         return state, missing, unexpected

@@ -518,6 +518,7 @@ _GlobalMetadata = list[_LocalMetadata]
 
 def determine_global_metadata(
     sharded_state_dict: Mapping[str, Any],
+    process_group: Any = None,
 ) -> tuple[_LocalMetadata, _GlobalMetadata]:
     """This rank's and every rank's sharding metadata (a collective: ``all_gather_object``).
 
@@ -525,14 +526,16 @@ def determine_global_metadata(
         sharded_state_dict: this rank's sharded state dict; its ShardedBase leaves
             (tensors, objects, factories) are taken, without data. Megatron-Core expects
             only sharded leaves here; other leaves are skipped.
+        process_group: gather over this group (Megatron-Core 0.19's parameter; default:
+            the default group); every rank of it must call.
 
     Returns:
-        ``(local, global)``: this rank's list, and the list of every rank's lists.
-        Without a process group, ``global`` is ``[local]``.
+        ``(local, global)``: this rank's list, and the list of every rank's lists (in
+        group rank order). Without a process group, ``global`` is ``[local]``.
     """
     local = [
         v.without_data()
         for v in nested_values(dict(sharded_state_dict))
         if isinstance(v, ShardedBase)
     ]
-    return local, dist.all_gather_object(local)
+    return local, dist.all_gather_object(local, process_group)

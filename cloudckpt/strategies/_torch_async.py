@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from cloudckpt.mapping import ShardedStateDict
 from cloudckpt.strategies._torch_compat import MCoreSavePlanner
-from cloudckpt.strategies.async_utils import AsyncRequest
+from cloudckpt.strategies.async_utils import AsyncRequest, check_async_strategy
 from cloudckpt.strategies.base import CheckpointDir
 from cloudckpt.strategies.filesystem_async import FileSystemWriterAsync
 from cloudckpt.strategies.state_dict_saver import (
@@ -65,7 +65,10 @@ class AsyncDcpSaveMixin:
         self.validated_cache_reuse = False
 
     def async_save(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: CheckpointDir,
+        async_strategy: str | None = "nvrx",
     ) -> AsyncRequest:
         """Plan and stage a save of this rank's main replicas; upload later (collective).
 
@@ -76,8 +79,10 @@ class AsyncDcpSaveMixin:
         data is staged in host memory before this returns. Like Megatron-Core's, this
         writes the DCP part only; ``metadata.json`` (and cloudckpt's manifest) are
         the caller's (``cloudckpt.save`` commits). With ``cached_metadata=True`` the
-        plan of the previous save is reused while it stays the same.
+        plan of the previous save is reused while it stays the same. Megatron-Core
+        0.19's ``async_strategy`` ("nvrx" or "mcore") is checked; either runs this.
         """
+        check_async_strategy(async_strategy)
         state, extra = self._dcp_state(sharded_state_dict)
         writer = FileSystemWriterAsync(
             self._storage(checkpoint_dir),

@@ -45,7 +45,11 @@ from types import TracebackType
 from typing import Any, ClassVar, Self
 
 from cloudckpt import dist
-from cloudckpt.errors import CheckpointingException, DistributedCheckpointError
+from cloudckpt.errors import (
+    CheckpointingException,
+    DistributedCheckpointError,
+    UnknownAsyncStrategyError,
+)
 from cloudckpt.strategies._async_calls import (
     AsyncCaller,
     PersistentAsyncCaller,
@@ -57,6 +61,26 @@ from cloudckpt.strategies._async_calls import (
 )
 
 logger = logging.getLogger(__name__)
+
+ASYNC_STRATEGIES = ("nvrx", "mcore")
+"""The ``async_strategy`` values of Megatron-Core 0.19: NVIDIA Resiliency Extension's
+async machinery, or Megatron-Core's own. cloudckpt accepts both and runs its own for
+either (threads uploading to any store, see above): NVRx's writer forks processes that
+write POSIX files, which an object store is not."""
+
+
+def check_async_strategy(async_strategy: str | None) -> None:
+    """Accept Megatron-Core 0.19's ``async_strategy`` values (and None).
+
+    Raises:
+        UnknownAsyncStrategyError: any other value (a ``TypeError``, as Megatron-Core's).
+    """
+    if async_strategy is not None and async_strategy not in ASYNC_STRATEGIES:
+        raise UnknownAsyncStrategyError(
+            f"unknown async_strategy {async_strategy!r}: expected one of "
+            f"{', '.join(ASYNC_STRATEGIES)} (cloudckpt runs its own async save for either)"
+        )
+
 
 FinalizeFn = Callable[[], Any]
 
@@ -379,6 +403,7 @@ class AsyncCallsQueue:
 
 
 __all__ = [
+    "ASYNC_STRATEGIES",
     "AsyncCaller",
     "AsyncCallsQueue",
     "AsyncRequest",
@@ -386,4 +411,5 @@ __all__ = [
     "PersistentAsyncCaller",
     "TemporalAsyncCaller",
     "_disable_gc",
+    "check_async_strategy",
 ]

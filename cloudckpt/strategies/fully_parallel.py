@@ -76,6 +76,7 @@ from cloudckpt.mapping import (
     is_main_replica,
 )
 from cloudckpt.storage.staging import StagingStorage
+from cloudckpt.strategies.async_utils import check_async_strategy
 from cloudckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -360,13 +361,19 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
         return self.base_strategy.save(sharded_state_dict, checkpoint_uri(checkpoint_dir))
 
     def async_save(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: CheckpointDir,
+        async_strategy: str | None = "nvrx",
     ) -> AsyncRequest:
-        """Distribute, then return the wrapped strategy's async request.
+        """Distribute, then return the wrapped strategy's async request (Megatron-Core
+        0.19's ``async_strategy``, "nvrx" or "mcore", is checked; either runs this).
 
         Raises:
             CheckpointingException: the wrapped strategy cannot save asynchronously.
+            UnknownAsyncStrategyError: another ``async_strategy``.
         """
+        check_async_strategy(async_strategy)
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(
                 f"cannot save asynchronously with {self.base_strategy}: it is not an "
@@ -484,11 +491,22 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
 
     # -- loading ---------------------------------------------------------------------------
 
+    @property
+    def stream_ckpt_dequant(self) -> bool:
+        """The wrapped strategy's ``stream_ckpt_dequant`` (Megatron-Core 0.19's; False
+        when it has none)."""
+        return bool(getattr(self.base_strategy, "stream_ckpt_dequant", False))
+
     def load(
-        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: CheckpointDir,
+        async_strategy: str | None = "mcore",
     ) -> StateDict:
         """Load ``sharded_state_dict`` from ``checkpoint_dir``, each shard read once in the
-        group. Collective over the group."""
+        group. Collective over the group. Megatron-Core 0.19's ``async_strategy`` is
+        checked; loads are the same for either."""
+        check_async_strategy(async_strategy)
         uri = checkpoint_uri(checkpoint_dir)
         return self._load(sharded_state_dict, lambda part: self.base_strategy.load(part, uri))
 

@@ -83,12 +83,14 @@ from cloudckpt.strategies._torch_compat import (
     mcore_to_pyt_state_dict,
     sharded_tensor_to_torch_sharded_tensor,
 )
+from cloudckpt.strategies.async_utils import check_async_strategy
 from cloudckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     CheckpointDir,
     LoadShardedStrategy,
     SingleFormatLoadMixin,
     StrategyAction,
+    checkpoint_uri,
     register_default_strategy,
 )
 from cloudckpt.strategies.bound import ShardedLoadMixin, ShardedSaveMixin
@@ -232,6 +234,10 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
             every rank's local plan against the cached one; a change plans afresh.
         separation_hint: tensors (and objects) whose key starts with it are written to
             ``.distcp`` objects of their own, as in Megatron-Core.
+        cpu_shm_mode: Megatron-Core 0.19's switch that stages GPU tensors in CPU shared
+            memory for NVIDIA Resiliency Extension's writer processes. cloudckpt uploads
+            from threads of the training process, which read its host staging buffers
+            directly; recorded, not used.
         fs: an fsspec filesystem to use instead of resolving one from the URI.
         storage_options: options for the filesystem resolved from the URI.
         object_size: target size in bytes of one ``.distcp`` object (small items share
@@ -247,6 +253,7 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         thread_count: int = 2,
         cached_metadata: bool = False,
         separation_hint: str | None = None,
+        cpu_shm_mode: bool = False,
         fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
         *,
@@ -254,6 +261,7 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         config: CheckpointConfig | None = None,
     ) -> None:
         super().__init__(backend, version)
+        self.cpu_shm_mode = cpu_shm_mode
         if thread_count < 1:
             raise ValueError(f"thread_count must be positive: {thread_count}")
         self.keep_only_main_replica = keep_only_main_replica
@@ -406,6 +414,13 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
     ) -> DcpBatchWriter:
         """A writer of this checkpoint in several DCP saves (see :class:`DcpBatchWriter`)."""
         return DcpBatchWriter(self, storage, config)
+
+
+def _metadata_cache_key(storage: CheckpointStorage) -> tuple[str, int | None]:
+    """A checkpoint's ``.metadata`` identity: its URI and the manifest's CRC-32C of it
+    (None without a manifest entry, as for Megatron-Core's checkpoints)."""
+    entry = storage.expected.entries.get(METADATA_FNAME)
+    return storage.uri, None if entry is None else entry.crc32c
 
 
 def host_copy(
@@ -574,6 +589,16 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
             :mod:`cloudckpt.safe_pickle`); False without restriction (trusted
             checkpoints only); None (default) as the load call or
             ``CLOUDCKPT_TRUST_PICKLES`` says, restricted when neither does.
+        cache_metadata: Megatron-Core 0.19's: keep the last checkpoint's DCP
+            ``.metadata`` (also as ``cached_global_metadata``) and reuse it when the same
+            checkpoint is loaded again (same URI and, for cloudckpt's checkpoints, the
+            same manifest CRC-32C of ``.metadata``, so a checkpoint saved again at the
+            URI is read afresh), instead of reading it once per load.
+        stream_ckpt_dequant: Megatron-Core 0.19's per-tensor dequantization of
+            Transformer Engine FP8 / NVFP4 destinations while loading. Recorded, not
+            used: cloudckpt loads into the destination tensors' dtype and has no
+            Transformer Engine path (it needs CUDA; see docs/megatron-compat.md).
+        checkpoint_name: Megatron-Core 0.19's; recorded, not used.
     """
 
     def __init__(
@@ -583,14 +608,41 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         fs: FileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
         weights_only: bool | None = None,
+        *,
+        cache_metadata: bool = False,
+        stream_ckpt_dequant: bool = True,
+        checkpoint_name: str | None = None,
     ) -> None:
         self.backend = backend
         self.version = version
         self._set_storage(fs, storage_options)
         self.weights_only = weights_only
+        self.cache_metadata = cache_metadata
+        self.stream_ckpt_dequant = stream_ckpt_dequant
+        self.checkpoint_name = checkpoint_name
+        self.cached_global_metadata: Metadata | None = None
+        self._metadata_cache: dict[tuple[str, int | None], Metadata] = {}
 
     def _checkpoint(self, storage: CheckpointStorage) -> DcpCheckpoint:
-        return DcpCheckpoint(storage, weights_only=self.weights_only)
+        if not self.cache_metadata:
+            return DcpCheckpoint(storage, weights_only=self.weights_only)
+        key = _metadata_cache_key(storage)
+        cached = self._metadata_cache.get(key)
+        checkpoint = DcpCheckpoint(storage, weights_only=self.weights_only, metadata=cached)
+        self._metadata_cache = {key: checkpoint.metadata}  # the last checkpoint's only
+        self.cached_global_metadata = checkpoint.metadata
+        return checkpoint
+
+    def load(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: CheckpointDir,
+        async_strategy: str | None = "mcore",
+    ) -> StateDict:
+        """Load ``sharded_state_dict`` from ``checkpoint_dir`` (Megatron-Core 0.19's
+        ``async_strategy`` is accepted and checked; loads are the same for either)."""
+        check_async_strategy(async_strategy)
+        return super().load(sharded_state_dict, checkpoint_uri(checkpoint_dir))
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -1,0 +1,252 @@
+"""Megatron-Core 0.19's parameters on cloudckpt's API: what 0.19's training loop passes
+(``async_strategy``, ``verify_integrity``, ``process_group``, ``cpu_shm_mode``,
+``cache_metadata``, ``stream_ckpt_dequant``) binds, and does what docs/megatron-compat.md
+says; the parameter names are checked against 0.19.2's sources (``-m compat``)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+
+import cloudckpt
+from cloudckpt import ShardedTensor, serialization, tracker
+from cloudckpt.errors import (
+    IntegrityCheckError,
+    ShardingValidationError,
+    UnknownAsyncStrategyError,
+)
+from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME
+from cloudckpt.storage import open_checkpoint
+from cloudckpt.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+from cloudckpt.validation import determine_global_metadata
+
+
+def _state(value: float = 1.0) -> dict[str, Any]:
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), value)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.arange(5, dtype=torch.float32)),
+        "iteration": 3,
+    }
+
+
+def _target() -> dict[str, Any]:
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.zeros(5)),
+    }
+
+
+# -- async_strategy ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_strategy", ["nvrx", "mcore", None])
+def test_save_accepts_megatron_019_async_strategies(tmp_path: Path, async_strategy: Any) -> None:
+    """Either value (0.19's default is "nvrx", which needs NVRx installed there) runs
+    cloudckpt's own async save; the checkpoint is committed after the request runs."""
+    uri = str(tmp_path / "ckpt")
+    request = cloudckpt.save(
+        _state(2.0), uri, async_sharded_save=True, async_strategy=async_strategy
+    )
+    assert request is not None
+    request.execute_sync()
+    loaded = cloudckpt.load(_target(), uri)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 2.0)) and loaded["iteration"] == 3
+
+
+def test_an_unknown_async_strategy_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    uri = tmp_path / "ckpt"
+    with pytest.raises(UnknownAsyncStrategyError, match=r"'threads'.*nvrx, mcore") as err:
+        cloudckpt.save(_state(), str(uri), async_sharded_save=True, async_strategy="threads")
+    assert isinstance(err.value, TypeError)  # as Megatron-Core's get_async_strategy raises
+    assert not uri.exists() or not any(uri.iterdir())
+
+
+def test_strategies_take_async_strategy_as_megatron_019_passes_it(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    save_strategy = TorchDistSaveShardedStrategy(cpu_shm_mode=True)
+    assert save_strategy.cpu_shm_mode is True  # recorded: cloudckpt's uploads are threads
+    cloudckpt.save(_state(5.0), uri, save_strategy)
+    load_strategy = TorchDistLoadShardedStrategy()
+    loaded = load_strategy.load(_target(), uri, "mcore")
+    assert torch.equal(loaded["w"], torch.full((4, 3), 5.0))
+    with pytest.raises(UnknownAsyncStrategyError):
+        load_strategy.load(_target(), uri, "posix")
+    with pytest.raises(UnknownAsyncStrategyError):
+        save_strategy.async_save(_state(), str(tmp_path / "other"), "posix")
+
+
+def test_fully_parallel_load_wrapper_forwards_stream_ckpt_dequant() -> None:
+    assert FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()).stream_ckpt_dequant
+    off = TorchDistLoadShardedStrategy(stream_ckpt_dequant=False)
+    assert FullyParallelLoadStrategyWrapper(off).stream_ckpt_dequant is False
+
+
+# -- verify_integrity -------------------------------------------------------------------
+
+
+def _flip_a_byte(uri: str) -> str:
+    """Damage the largest data object in place (same size); its path."""
+    store = open_checkpoint(uri)
+    sizes = store.list_sizes()
+    path = max((p for p in sizes if p.endswith(".distcp")), key=lambda p: sizes[p])
+    data = bytearray(store.read(path))
+    data[len(data) // 2] ^= 0xFF
+    store.delete(path)
+    store.write(path, bytes(data))
+    return path
+
+
+def test_load_with_verify_integrity_checks_every_object_first(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(_state(7.0), uri, verify_integrity=True)  # the manifest is the record
+    loaded = cloudckpt.load(_target(), uri, verify_integrity=True)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 7.0))
+    damaged = _flip_a_byte(uri)
+    with pytest.raises(IntegrityCheckError, match="failed its integrity check") as err:
+        cloudckpt.load(_target(), uri, verify_integrity=True)
+    assert damaged in str(err.value) and "checksum-mismatch" in str(err.value)
+
+
+def test_verify_integrity_refuses_a_checkpoint_without_a_manifest(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(_state(), uri)
+    store = open_checkpoint(uri)
+    for name in (MANIFEST_FNAME, CLAIM_FNAME):
+        store.delete(name)  # what Megatron-Core's own save leaves: no cloudckpt records
+    assert torch.equal(cloudckpt.load(_target(), uri)["b"], torch.arange(5.0))
+    with pytest.raises(IntegrityCheckError, match="has no cloudckpt manifest"):
+        cloudckpt.load(_target(), uri, verify_integrity=True)
+
+
+# -- cache_metadata ---------------------------------------------------------------------
+
+
+def test_cache_metadata_reuses_the_same_checkpoints_metadata_only(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(_state(1.0), uri)
+    strategy = TorchDistLoadShardedStrategy(cache_metadata=True)
+    cloudckpt.load(_target(), uri, strategy)
+    first = strategy.cached_global_metadata
+    assert first is not None
+    loaded = cloudckpt.load(_target(), uri, strategy)
+    assert strategy.cached_global_metadata is first  # not read again
+    assert torch.equal(loaded["w"], torch.ones(4, 3))
+    tracker.remove_checkpoint(uri)
+    cloudckpt.save({**_state(4.0), "c": ShardedTensor.from_rank_offsets("c", torch.ones(2))}, uri)
+    loaded = cloudckpt.load(_target(), uri, strategy)  # saved again: read afresh
+    assert strategy.cached_global_metadata is not first
+    assert "c" in strategy.cached_global_metadata.state_dict_metadata
+    assert torch.equal(loaded["w"], torch.full((4, 3), 4.0))
+    uncached = TorchDistLoadShardedStrategy()
+    cloudckpt.load(_target(), uri, uncached)
+    assert uncached.cached_global_metadata is None
+
+
+# -- process_group ----------------------------------------------------------------------
+
+
+def test_determine_global_metadata_takes_a_process_group() -> None:
+    local, gathered = determine_global_metadata(_state(), process_group=None)
+    assert gathered == [local] and {sh.key for sh in local} == {"w", "b"}
+
+
+def _two_instances(rank: int, world: int, uri: str) -> dict[str, Any]:
+    """Ranks 0-1 and 2-3 each load one whole instance of the model (both instances'
+    shards are main replicas): valid per group, duplicated across the world."""
+    groups = [torch_dist.new_group([0, 1]), torch_dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    half = rank % 2
+
+    def request() -> dict[str, Any]:
+        rows = torch.zeros(2, 3)
+        return {"w": ShardedTensor.from_rank_offsets("w", rows, (0, half, 2))}
+
+    out: dict[str, Any] = {}
+    loaded = cloudckpt.load(request(), uri, process_group=group)
+    out["rows"] = loaded["w"].tolist()
+    try:
+        cloudckpt.load(request(), uri)
+    except ShardingValidationError as exc:
+        out["world_error"] = str(exc)
+    return out
+
+
+@pytest.mark.multirank
+def test_load_validates_within_its_process_group(rank_pool: Any, tmp_path: Path) -> None:
+    uri = str(tmp_path / "ckpt")
+    whole = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    cloudckpt.save({"w": ShardedTensor.from_rank_offsets("w", whole)}, uri)
+    outcomes = rank_pool.run(_two_instances, uri)
+    for rank, out in enumerate(outcomes):
+        half = rank % 2
+        assert out["rows"] == whole[2 * half : 2 * half + 2].tolist(), rank
+        assert "w" in out["world_error"], (rank, out)
+
+
+# -- the names, against Megatron-Core 0.19.2's sources -----------------------------------
+
+# (0.19 module, qualified name) -> cloudckpt's object: every parameter 0.19 declares must
+# bind by name here (cloudckpt keeps 0.15's positional order where 0.19 changed it)
+CALLS = {
+    ("serialization", "save"): serialization.save,
+    ("serialization", "load"): serialization.load,
+    ("validation", "determine_global_metadata"): determine_global_metadata,
+    ("strategies/torch", "TorchDistSaveShardedStrategy.__init__"): TorchDistSaveShardedStrategy,
+    ("strategies/torch", "TorchDistSaveShardedStrategy.async_save"): (
+        TorchDistSaveShardedStrategy.async_save
+    ),
+    ("strategies/torch", "TorchDistLoadShardedStrategy.__init__"): TorchDistLoadShardedStrategy,
+    ("strategies/torch", "TorchDistLoadShardedStrategy.load"): TorchDistLoadShardedStrategy.load,
+    ("strategies/fully_parallel", "FullyParallelSaveStrategyWrapper.async_save"): (
+        FullyParallelSaveStrategyWrapper.async_save
+    ),
+    ("strategies/fully_parallel", "FullyParallelLoadStrategyWrapper.load"): (
+        FullyParallelLoadStrategyWrapper.load
+    ),
+}
+
+
+def _megatron_params(tree: ast.Module, qualname: str) -> list[str]:
+    node: Any = tree
+    for part in qualname.split("."):
+        node = next(
+            n for n in node.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == part
+        )
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    return [n for n in names if n not in ("self", "cls")]
+
+
+@pytest.fixture(scope="module")
+def mcore019_package() -> Path:
+    from tests.test_megatron_compat import _build  # noqa: PLC0415 - builds the cached env
+
+    env = _build("mcore-0.19")
+    found = sorted(env.venv.glob("lib/python*/site-packages/megatron/core/dist_checkpointing"))
+    assert found, env.venv
+    return found[0]
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("call", sorted(CALLS), ids=lambda c: c[1])
+def test_megatron_019_parameters_bind_by_name(
+    mcore019_package: Path, call: tuple[str, str]
+) -> None:
+    module, qualname = call
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tree = ast.parse((mcore019_package / f"{module}.py").read_text())
+    theirs = _megatron_params(tree, qualname)
+    ours = set(inspect.signature(CALLS[call]).parameters)
+    assert theirs and set(theirs) <= ours, (sorted(set(theirs) - ours), theirs)
