@@ -21,7 +21,10 @@ code, and this script's - gets cloudckpt. Then, on gloo CPU ranks:
   the distributed optimizer's ``fully_sharded_model_space`` form (each data-parallel rank
   holds a flat range of every parameter's state, as
   ``DistributedOptimizer.sharded_param_state_fs_model_space`` builds it). It is saved
-  with ``megatron.core.dist_checkpointing.save`` (that is, cloudckpt) to ``--uri``.
+  with ``megatron.core.dist_checkpointing.save`` (that is, cloudckpt) to ``--uri``
+  (with 0.19, also ``async_strategy="nvrx"`` and ``verify_integrity=True``, as its training
+  loop passes them; the load then verifies integrity and uses ``TorchDistLoadShardedStrategy(
+  cache_metadata=True, stream_ckpt_dequant=True)``).
   Every rank reports the digest of each of its shards.
 * ``load``: the same in the ``--tp`` layout given (another TP x DP split), loaded with
   ``dist_checkpointing.load``, the model's loaded state put into the model with
@@ -258,6 +261,8 @@ def _save(rank: int, world: int, uri: str, tp: int, fully_parallel: bool) -> dic
             ps.get_data_parallel_group(with_context_parallel=True),
             True,  # ckpt_assume_constant_structure
         )
+    if _is_019(package_info.__version__):  # what 0.19's training loop passes as well
+        kwargs.update(async_strategy="nvrx", verify_integrity=True)
     dist_checkpointing.save(state, uri, **kwargs)
     return {
         "rank": rank,
@@ -269,9 +274,15 @@ def _save(rank: int, world: int, uri: str, tp: int, fully_parallel: bool) -> dic
     }
 
 
+def _is_019(version: str) -> bool:
+    """Megatron-Core 0.19 or later: its save and load take 0.19's parameters."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) >= (0, 19)
+
+
 def _load(rank: int, world: int, uri: str, tp: int, fully_parallel: bool) -> dict[str, Any]:
     ps = _init_megatron(tp)
-    from megatron.core import dist_checkpointing  # noqa: PLC0415
+    from megatron.core import dist_checkpointing, package_info  # noqa: PLC0415
 
     request, model = _sharded_state(rank, empty=True)
     kwargs: dict[str, Any] = {}
@@ -286,6 +297,16 @@ def _load(rank: int, world: int, uri: str, tp: int, fully_parallel: bool) -> dic
         kwargs["sharded_strategy"] = FullyParallelLoadStrategyWrapper(
             TorchDistLoadShardedStrategy(), ps.get_data_parallel_group(with_context_parallel=True)
         )
+    elif _is_019(package_info.__version__):  # as 0.19's training loop builds it
+        from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: PLC0415
+            TorchDistLoadShardedStrategy,
+        )
+
+        kwargs["sharded_strategy"] = TorchDistLoadShardedStrategy(
+            cache_metadata=True, stream_ckpt_dequant=True
+        )
+    if _is_019(package_info.__version__):
+        kwargs["verify_integrity"] = True
     metadata = _describe_shards(request)  # where each requested shard sits (data: NaN)
     loaded = dist_checkpointing.load(request, uri, strict="raise_all", **kwargs)
     model.load_state_dict(loaded["model"], strict=False)
