@@ -31,7 +31,14 @@ from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestEn
 from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
 
-__all__ = ["PROBLEM_KINDS", "ConsistencyReport", "Problem", "check_integrity", "verify"]
+__all__ = [
+    "MEGATRON_INTEGRITY_FNAME",
+    "PROBLEM_KINDS",
+    "ConsistencyReport",
+    "Problem",
+    "check_integrity",
+    "verify",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -174,34 +181,82 @@ def verify(
     return report
 
 
+MEGATRON_INTEGRITY_FNAME = "integrity.json"
+"""Megatron-Core 0.19's integrity record (``save(..., verify_integrity=True)``):
+``{"algorithm": "sha256", "files": {name: hex digest}}``."""
+
+
 def check_integrity(
     uri: str,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
-) -> ConsistencyReport:
-    """``load(..., verify_integrity=True)``: the deep check of :func:`verify` on rank 0,
-    its verdict raised or returned on every rank (call it on every rank).
+) -> int:
+    """``load(..., verify_integrity=True)``: read every object and check it against the
+    checkpoint's integrity record, on rank 0, the verdict on every rank (call it on every
+    rank). The record is cloudckpt's manifest (sizes and CRC-32Cs), else the
+    ``integrity.json`` Megatron-Core 0.19 writes (SHA-256 of each file). Returns the
+    number of objects checked.
 
     Raises:
-        IntegrityCheckError: the checkpoint has problems (every one listed), or no
-            manifest to check against (written by Megatron-Core or PyTorch).
+        IntegrityCheckError: a problem (every one listed), or no record to check against.
         CheckpointNotFoundError: no checkpoint at ``uri``.
     """
-    report = verify(uri, True, storage_options=storage_options, config=config, collective=True)
-    if report.foreign:
+    from cloudckpt import dist  # noqa: PLC0415 - torch only when called
+
+    shown = redact_uri(uri)
+    found = dist.run_on_coordinator(
+        lambda: _integrity_problems(uri, storage_options, config),
+        f"checking the integrity of checkpoint {shown!r}",
+    )
+    if found is None:
         raise IntegrityCheckError(
-            f"checkpoint {report.uri!r} has no cloudckpt manifest (Megatron-Core or PyTorch "
-            "wrote it): verify_integrity=True has no sizes and checksums to check it against"
+            f"checkpoint {shown!r} has no cloudckpt manifest and no Megatron-Core "
+            f"{MEGATRON_INTEGRITY_FNAME} (saved without verify_integrity): "
+            "verify_integrity=True has nothing to check it against"
         )
-    if not report.ok:
-        shown = "; ".join(f"{p.kind} {p.path or '-'}: {p.detail}" for p in report.problems[:20])
-        more = len(report.problems) - 20
-        shown += f"; and {more} more" if more > 0 else ""
+    problems, checked, record = found
+    if problems:
+        listed = "; ".join(f"{p.kind} {p.path or '-'}: {p.detail}" for p in problems[:20])
+        more = len(problems) - 20
+        listed += f"; and {more} more" if more > 0 else ""
         raise IntegrityCheckError(
-            f"checkpoint {report.uri!r} failed its integrity check (verify_integrity=True): "
-            f"{len(report.problems)} problem(s): {shown}"
+            f"checkpoint {shown!r} failed its integrity check against its {record} "
+            f"(verify_integrity=True): {len(problems)} problem(s): {listed}"
         )
-    return report
+    return checked
+
+
+def _integrity_problems(
+    uri: str, storage_options: dict[str, Any] | None, config: CheckpointConfig | None
+) -> tuple[list[Problem], int, str] | None:
+    """(problems, objects checked, the record's name), or None without a record."""
+    report = verify(uri, True, storage_options=storage_options, config=config)
+    if not report.foreign:
+        return list(report.problems), report.objects, "manifest"
+    storage = open_checkpoint(uri, storage_options=storage_options, config=config)
+    listing = storage.list_sizes()
+    if MEGATRON_INTEGRITY_FNAME not in listing:
+        return None
+    try:
+        doc = json.loads(storage.read(MEGATRON_INTEGRITY_FNAME))
+        files = dict(doc["files"]) if doc.get("algorithm") == "sha256" else None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        files, doc = None, {"error": str(exc)}
+    if files is None:
+        detail = f"not a sha256 file list: {str(doc)[:200]}"
+        return [Problem("bad-manifest", MEGATRON_INTEGRITY_FNAME, detail)], 0, "integrity.json"
+
+    def check(item: tuple[str, str]) -> Problem | None:
+        name, want = item
+        if name not in listing:
+            return Problem("missing-object", name, f"listed in {MEGATRON_INTEGRITY_FNAME}")
+        got = storage.sha256(name, listing[name])
+        if got != want:
+            return Problem("checksum-mismatch", name, f"SHA-256 {got}, recorded {want}")
+        return None
+
+    found = storage.map(check, sorted(files.items()))
+    return [p for p in found if p is not None], len(files), MEGATRON_INTEGRITY_FNAME
 
 
 def _commit_problems(state: CommitState) -> list[Problem]:

@@ -275,8 +275,9 @@ class UnknownAsyncStrategyError(CheckpointingException, TypeError):
 
 
 class IntegrityCheckError(CorruptObjectError):
-    """``load(..., verify_integrity=True)``: the checkpoint does not match its manifest
-    (every problem listed), or it has no manifest to check against."""
+    """``load(..., verify_integrity=True)``: the checkpoint does not match its integrity
+    record (cloudckpt's manifest, or Megatron-Core 0.19's ``integrity.json``; every
+    problem listed), or it has neither to check against."""
 
 
 class MalformedCheckpointError(IncompatibleCheckpointError, ValueError):

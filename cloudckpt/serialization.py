@@ -219,8 +219,9 @@ def load(
         verify_integrity: before loading, read every object of the checkpoint and check
             its size and CRC-32C against the manifest (as ``cloudckpt verify --deep``,
             on rank 0, the verdict on every rank), as Megatron-Core 0.19 checks its
-            ``integrity.json``. A checkpoint without a manifest (Megatron-Core's own)
-            cannot be checked and raises.
+            ``integrity.json``. A checkpoint without a manifest (Megatron-Core's own) is
+            checked against that ``integrity.json`` (SHA-256 of every file it lists);
+            without either it cannot be checked and raises.
         process_group: the ranks whose requests together describe one complete
             sharded state dict: the access-integrity validation and the ``*_ALL``
             strict modes consider this group's requests (default: every rank's), as in

@@ -6,7 +6,9 @@ says; the parameter names are checked against 0.19.2's sources (``-m compat``)."
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import torch.distributed as torch_dist
 
 import cloudckpt
 from cloudckpt import ShardedTensor, serialization, tracker
+from cloudckpt.checker import MEGATRON_INTEGRITY_FNAME
 from cloudckpt.errors import (
     IntegrityCheckError,
     ShardingValidationError,
@@ -127,6 +130,39 @@ def test_verify_integrity_refuses_a_checkpoint_without_a_manifest(tmp_path: Path
     assert torch.equal(cloudckpt.load(_target(), uri)["b"], torch.arange(5.0))
     with pytest.raises(IntegrityCheckError, match="has no cloudckpt manifest"):
         cloudckpt.load(_target(), uri, verify_integrity=True)
+
+
+def _megatron_integrity_json(directory: Path) -> None:
+    """What Megatron-Core 0.19's save_integrity_manifest writes: every file's SHA-256."""
+    files = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MEGATRON_INTEGRITY_FNAME
+    }
+    payload = {"algorithm": "sha256", "files": files}
+    (directory / MEGATRON_INTEGRITY_FNAME).write_text(json.dumps(payload))
+
+
+def test_verify_integrity_checks_megatrons_integrity_json_without_a_manifest(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "ckpt"
+    cloudckpt.save(_state(6.0), str(directory))
+    for name in (MANIFEST_FNAME, CLAIM_FNAME):
+        (directory / name).unlink()  # as Megatron-Core 0.19 leaves it, with its record
+    _megatron_integrity_json(directory)
+    loaded = cloudckpt.load(_target(), str(directory), verify_integrity=True)
+    assert torch.equal(loaded["w"], torch.full((4, 3), 6.0))
+    damaged = _flip_a_byte(str(directory))
+    with pytest.raises(IntegrityCheckError, match=r"against its integrity\.json") as err:
+        cloudckpt.load(_target(), str(directory), verify_integrity=True)
+    assert f"checksum-mismatch {damaged}: SHA-256" in str(err.value)
+    (directory / damaged).unlink()
+    with pytest.raises(IntegrityCheckError, match=f"missing-object {damaged}"):
+        cloudckpt.load(_target(), str(directory), verify_integrity=True)
+    (directory / MEGATRON_INTEGRITY_FNAME).write_text('{"algorithm": "md5", "files": {}}')
+    with pytest.raises(IntegrityCheckError, match=r"bad-manifest integrity\.json"):
+        cloudckpt.load(_target(), str(directory), verify_integrity=True)
 
 
 # -- cache_metadata ---------------------------------------------------------------------

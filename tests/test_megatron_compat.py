@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ import torch
 
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
-from cloudckpt.errors import StrategyNotFoundError
+from cloudckpt.checker import MEGATRON_INTEGRITY_FNAME, check_integrity
+from cloudckpt.errors import IntegrityCheckError, StrategyNotFoundError
 from cloudckpt.strategies.base import get_default_strategy
 from tests.compat import spec
 
@@ -308,6 +310,25 @@ def test_mcore019_checkpoint_loads_in_cloudckpt_resharded(
     _load_in_cloudckpt(rank_pool, uri, object_world=SAVE_WORLD)
     _expect_tensors_metadata(uri)
     assert cloudckpt.load_common_state_dict(uri) == spec.COMMON
+
+
+def test_mcore019_integrity_record_is_checked_by_verify_integrity(
+    mcore19_ckpt: Path, tmp_path: Path
+) -> None:
+    """Saved with ``verify_integrity=True``, 0.19 wrote its integrity.json (SHA-256 per
+    file): ``load(..., verify_integrity=True)``'s check passes on it, and names a file
+    changed behind its back."""
+    record = json.loads((mcore19_ckpt / MEGATRON_INTEGRITY_FNAME).read_text())
+    assert record["algorithm"] == "sha256" and ".metadata" in record["files"]
+    assert check_integrity(str(mcore19_ckpt)) == len(record["files"]) > 2
+    copy = tmp_path / "ckpt"
+    shutil.copytree(mcore19_ckpt, copy)
+    damaged = max(copy.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(IntegrityCheckError, match=f"checksum-mismatch {damaged.name}: SHA-256"):
+        check_integrity(str(copy))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import bisect
 import builtins
 import contextlib
 import functools
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 
 from cloudckpt.errors import CorruptObjectError
@@ -300,6 +301,14 @@ class StorageReads(StorageHandle):
         if block_size is None or size <= block_size:
             return WriteResult(relpath, done, crc)
         return WriteResult(relpath, done, crc, BlockCrcs.of(block_size, crcs))
+
+    def sha256(self, relpath: str, size: int) -> str:
+        """Hex SHA-256 of an object of ``size`` bytes (Megatron-Core 0.19's integrity
+        digest), read in ranges of ``part_size`` as :meth:`checksum` reads."""
+        digest = hashlib.sha256()
+        for start in range(0, size, self.part_size):
+            digest.update(self._read(relpath, start, min(start + self.part_size, size)))
+        return digest.hexdigest()
 
 
 def _call(task: Callable[[], None]) -> None:

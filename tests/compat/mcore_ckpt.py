@@ -44,7 +44,9 @@ def _save(rank: int, world: int, directory: str, tp: int, backend: str) -> dict[
     )
 
     state = spec.build_state(ShardedTensor, ShardedObject, rank, tp, object_world=world)
-    if backend == "torch_dist":
+    if backend == "torch_dist" and not version.startswith("0.15."):
+        dc.save(state, directory, verify_integrity=True)  # 0.19: writes integrity.json
+    elif backend == "torch_dist":
         dc.save(state, directory)
     else:
         dc.save(state, directory, sharded_strategy=(backend, 1))
