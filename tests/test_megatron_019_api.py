@@ -266,12 +266,9 @@ def _megatron_params(tree: ast.Module, qualname: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def mcore019_package() -> Path:
-    from tests.test_megatron_compat import _build  # noqa: PLC0415 - builds the cached env
+    from tests.test_megatron_compat import megatron_package  # noqa: PLC0415 - builds the env
 
-    env = _build("mcore-0.19")
-    found = sorted(env.venv.glob("lib/python*/site-packages/megatron/core/dist_checkpointing"))
-    assert found, env.venv
-    return found[0]
+    return megatron_package("mcore-0.19") / "core" / "dist_checkpointing"
 
 
 @pytest.mark.compat

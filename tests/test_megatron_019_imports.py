@@ -44,14 +44,12 @@ TRAINING_GAPS = {
 @pytest.fixture(scope="module")
 def megatron019() -> Path:
     """The ``megatron`` package directory of the mcore-0.19 environment."""
-    from tests.test_megatron_compat import _build  # noqa: PLC0415 - builds the cached env
+    from tests.test_megatron_compat import megatron_package  # noqa: PLC0415 - builds the env
 
-    env = _build("mcore-0.19")
-    found = sorted(env.venv.glob("lib/python*/site-packages/megatron"))
-    assert found and (found[0] / "core" / "package_info.py").is_file(), env.venv
-    text = (found[0] / "core" / "package_info.py").read_text()
+    package = megatron_package("mcore-0.19")
+    text = (package / "core" / "package_info.py").read_text()
     assert "MINOR = 19" in text and "PATCH = 2" in text, "not Megatron-Core 0.19.2"
-    return found[0]
+    return package
 
 
 def _module_name(root: Path, path: Path) -> tuple[str, str]:

@@ -98,6 +98,15 @@ def _build(name: str) -> MegatronEnv:
     return MegatronEnv(name, venv)
 
 
+def megatron_package(name: str) -> Path:
+    """The installed ``megatron`` package directory of compat environment ``name``
+    (built and cached if needed), for tests that read Megatron-Core's sources."""
+    env = _build(name)
+    found = sorted(env.venv.glob("lib/python*/site-packages/megatron"))
+    assert found and (found[0] / "core" / "dist_checkpointing").is_dir(), env.venv
+    return found[0]
+
+
 @pytest.fixture(scope="session")
 def mcore15() -> MegatronEnv:
     return _build("mcore-0.15")

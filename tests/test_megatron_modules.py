@@ -947,12 +947,9 @@ def _mcore_params(fn: ast.FunctionDef) -> list[str]:
 
 @pytest.fixture(scope="module")
 def mcore15_package() -> Path:
-    from tests.test_megatron_compat import _build  # noqa: PLC0415 - builds the cached env
+    from tests.test_megatron_compat import megatron_package  # noqa: PLC0415 - builds the env
 
-    env = _build("mcore-0.15")
-    found = sorted(env.venv.glob("lib/python*/site-packages/megatron/core/dist_checkpointing"))
-    assert found, env.venv
-    return found[0]
+    return megatron_package("mcore-0.15") / "core" / "dist_checkpointing"
 
 
 @pytest.mark.compat
