@@ -115,6 +115,8 @@ def test_load_with_verify_integrity_checks_every_object_first(tmp_path: Path) ->
     cloudckpt.save(_state(7.0), uri, verify_integrity=True)  # the manifest is the record
     loaded = cloudckpt.load(_target(), uri, verify_integrity=True)
     assert torch.equal(loaded["w"], torch.full((4, 3), 7.0))
+    open_checkpoint(uri).write("notes.txt", b"not part of the checkpoint")
+    cloudckpt.load(_target(), uri, verify_integrity=True)  # an extra object: still intact
     damaged = _flip_a_byte(uri)
     with pytest.raises(IntegrityCheckError, match="failed its integrity check") as err:
         cloudckpt.load(_target(), uri, verify_integrity=True)
@@ -184,6 +186,9 @@ def test_cache_metadata_reuses_the_same_checkpoints_metadata_only(tmp_path: Path
     assert strategy.cached_global_metadata is not first
     assert "c" in strategy.cached_global_metadata.state_dict_metadata
     assert torch.equal(loaded["w"], torch.full((4, 3), 4.0))
+    again = strategy.cached_global_metadata
+    cloudckpt.load(_target(), uri, strategy, weights_only=False)  # trusted: not the same
+    assert strategy.cached_global_metadata is not again
     uncached = TorchDistLoadShardedStrategy()
     cloudckpt.load(_target(), uri, uncached)
     assert uncached.cached_global_metadata is None

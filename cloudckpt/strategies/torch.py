@@ -55,6 +55,7 @@ from cloudckpt.mapping import (
     StateDict,
     is_main_replica,
 )
+from cloudckpt.safe_pickle import resolve_weights_only
 from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult
 from cloudckpt.strategies._dcp_dist import PlannedSave, SavePlanCache, plan_save, save_state_dict
 from cloudckpt.strategies._dcp_errors import TorchDistSaveError, save_failure
@@ -416,11 +417,14 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         return DcpBatchWriter(self, storage, config)
 
 
-def _metadata_cache_key(storage: CheckpointStorage) -> tuple[str, int | None]:
-    """A checkpoint's ``.metadata`` identity: its URI and the manifest's CRC-32C of it
-    (None without a manifest entry, as for Megatron-Core's checkpoints)."""
+def _metadata_cache_key(
+    storage: CheckpointStorage, weights_only: bool | None
+) -> tuple[str, int | None, bool]:
+    """A checkpoint's ``.metadata`` identity: its URI, the manifest's CRC-32C of it (None
+    without a manifest entry, as for Megatron-Core's checkpoints), and whether it is
+    unpickled restricted (metadata trusted once is not reused by a restricted load)."""
     entry = storage.expected.entries.get(METADATA_FNAME)
-    return storage.uri, None if entry is None else entry.crc32c
+    return storage.uri, None if entry is None else entry.crc32c, resolve_weights_only(weights_only)
 
 
 def host_copy(
@@ -593,7 +597,8 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
             ``.metadata`` (also as ``cached_global_metadata``) and reuse it when the same
             checkpoint is loaded again (same URI and, for cloudckpt's checkpoints, the
             same manifest CRC-32C of ``.metadata``, so a checkpoint saved again at the
-            URI is read afresh), instead of reading it once per load.
+            URI is read afresh; unpickled as restricted as before), instead of reading
+            it once per load.
         stream_ckpt_dequant: Megatron-Core 0.19's per-tensor dequantization of
             Transformer Engine FP8 / NVFP4 destinations while loading. Recorded, not
             used: cloudckpt loads into the destination tensors' dtype and has no
@@ -621,12 +626,12 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         self.stream_ckpt_dequant = stream_ckpt_dequant
         self.checkpoint_name = checkpoint_name
         self.cached_global_metadata: Metadata | None = None
-        self._metadata_cache: dict[tuple[str, int | None], Metadata] = {}
+        self._metadata_cache: dict[tuple[str, int | None, bool], Metadata] = {}
 
     def _checkpoint(self, storage: CheckpointStorage) -> DcpCheckpoint:
         if not self.cache_metadata:
             return DcpCheckpoint(storage, weights_only=self.weights_only)
-        key = _metadata_cache_key(storage)
+        key = _metadata_cache_key(storage, self.weights_only)
         cached = self._metadata_cache.get(key)
         checkpoint = DcpCheckpoint(storage, weights_only=self.weights_only, metadata=cached)
         self._metadata_cache = {key: checkpoint.metadata}  # the last checkpoint's only
