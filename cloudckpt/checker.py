@@ -27,7 +27,14 @@ from cloudckpt.commit import CommitState, no_checkpoint_error
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig
 from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError, IntegrityCheckError
-from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestEntry, ManifestError
+from cloudckpt.manifest import (
+    CLAIM_FNAME,
+    INTEGRITY_FNAME,
+    MANIFEST_FNAME,
+    Manifest,
+    ManifestEntry,
+    ManifestError,
+)
 from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
 
@@ -185,9 +192,7 @@ def verify(
 # integrity check likewise looks only at the files its record lists)
 _NOT_INTEGRITY = frozenset({"orphan-object", "open-multipart-upload"})
 
-MEGATRON_INTEGRITY_FNAME = "integrity.json"
-"""Megatron-Core 0.19's integrity record (``save(..., verify_integrity=True)``):
-``{"algorithm": "sha256", "files": {name: hex digest}}``."""
+MEGATRON_INTEGRITY_FNAME = INTEGRITY_FNAME
 
 
 def check_integrity(
@@ -339,7 +344,7 @@ def _listing_problems(manifest: Manifest, listing: Mapping[str, int]) -> list[Pr
             problems.append(Problem("missing-object", path, f"listed in {MANIFEST_FNAME}"))
         elif size != entry.size:
             problems.append(Problem("size-mismatch", path, f"size {size}, manifest {entry.size}"))
-    commit_files = (CONFIG_FNAME, MANIFEST_FNAME)
+    commit_files = (CONFIG_FNAME, MANIFEST_FNAME, INTEGRITY_FNAME)  # written after it
     problems += [
         Problem("orphan-object", path, f"{size} bytes, not listed in {MANIFEST_FNAME}")
         for path, size in listing.items()

@@ -41,6 +41,7 @@ from cloudckpt.errors import (
 from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.manifest import (
     CLAIM_FNAME,
+    INTEGRITY_FNAME,
     MANIFEST_FNAME,
     MANIFEST_VERSION,
     CommitRecord,
@@ -473,3 +474,22 @@ def _warn_if_not_exclusive(storage: CheckpointStorage) -> None:
         storage.uri,
         what,
     )
+
+
+def write_integrity_record(storage: CheckpointStorage) -> WriteResult:
+    """Megatron-Core 0.19's ``integrity.json`` for a committed checkpoint: the SHA-256 of
+    every object under it (read back, ``max_in_flight`` at once), written create-only.
+    What ``save(..., verify_integrity=True)`` adds after the commit, as Megatron-Core
+    does after ``metadata.json``, so that its ``load(..., verify_integrity=True)`` can
+    check cloudckpt's checkpoints too. Coordinator only.
+
+    Raises:
+        ObjectExistsError: the checkpoint has an integrity record already.
+    """
+    listing = storage.list_sizes()
+    names = sorted(path for path in listing if path != INTEGRITY_FNAME)
+    digests = storage.map(lambda path: storage.sha256(path, listing[path]), names)
+    payload = {"algorithm": "sha256", "files": dict(zip(names, digests, strict=True))}
+    written = storage.write(INTEGRITY_FNAME, json.dumps(payload, indent=2).encode(), exclusive=True)
+    logger.info("wrote %s: SHA-256 of %d objects at %s", INTEGRITY_FNAME, len(names), storage.uri)
+    return written

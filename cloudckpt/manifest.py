@@ -35,6 +35,10 @@ from cloudckpt.storage.types import WriteResult
 
 MANIFEST_FNAME = "manifest.json"
 CLAIM_FNAME = ".cloudckpt-claim.json"
+INTEGRITY_FNAME = "integrity.json"
+"""Megatron-Core 0.19's integrity record, ``{"algorithm": "sha256", "files": {path: hex
+digest}}``: written after the commit by ``save(..., verify_integrity=True)`` (theirs and
+cloudckpt's), outside the manifest like ``metadata.json``."""
 MANIFEST_FORMAT = "cloudckpt-manifest"
 MANIFEST_VERSION = 2
 READABLE_VERSIONS = (1, 2)

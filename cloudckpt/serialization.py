@@ -19,13 +19,15 @@ from typing import Any, TypeVar
 
 from cloudckpt import dist
 from cloudckpt.checker import check_integrity
-from cloudckpt.commit import open_committed, read_commit_state
+from cloudckpt.commit import open_committed, read_commit_state, write_integrity_record
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.load_session import LoadSession, load_checkpoint
+from cloudckpt.manifest import INTEGRITY_FNAME
 from cloudckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from cloudckpt.redact import redact_uri
 from cloudckpt.safe_pickle import weights_only_scope
 from cloudckpt.session import PreprocessCommon, SaveSession, open_storage
+from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies.async_utils import AsyncRequest, check_async_strategy
 from cloudckpt.strategies.base import (
     CheckpointDir,
@@ -99,11 +101,12 @@ def save(
         async_strategy: Megatron-Core 0.19's choice of async machinery, "nvrx" (its
             default) or "mcore"; cloudckpt runs its own async save for either (see
             :data:`~cloudckpt.strategies.async_utils.ASYNC_STRATEGIES`).
-        verify_integrity: Megatron-Core 0.19's request for an integrity record that
-            ``load(..., verify_integrity=True)`` checks. cloudckpt writes one with every
-            save, whatever this says: the manifest, with every object's size and CRC-32C
-            (Megatron-Core hashes the files with SHA-256 into ``integrity.json`` in an
-            extra read pass, which cloudckpt does not write).
+        verify_integrity: Megatron-Core 0.19's: after the commit (for an async save, in
+            a finalize function after the commit's), the coordinator reads every object
+            back and writes ``integrity.json`` with their SHA-256, as Megatron-Core
+            does, so that its ``load(..., verify_integrity=True)`` can check the
+            checkpoint too. cloudckpt's own check needs none of it: the manifest of
+            every save records every object's size and CRC-32C.
         storage_options: fsspec options for the URI's filesystem (credentials, endpoint);
             they override the config's and the environment's.
         config: a training-config section (:func:`cloudckpt.config.from_dict`): storage
@@ -134,9 +137,24 @@ def save(
             sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
         preprocess = preprocess_common_before_consistancy_check
         if async_sharded_save:
-            return session.save_async(sharded_state_dict, validate_access_integrity, preprocess)
+            request = session.save_async(sharded_state_dict, validate_access_integrity, preprocess)
+            if verify_integrity and isinstance(session, SaveSession):  # (an unopened one raised)
+                storage = session.storage  # after the commit's finalize, as Megatron-Core's
+                request.add_finalize_fn(lambda: _write_integrity_record(storage))
+            return request
         session.save(sharded_state_dict, validate_access_integrity, preprocess)
+        if verify_integrity and isinstance(session, SaveSession):  # (an unopened one raised)
+            _write_integrity_record(session.storage)
         return None
+
+
+def _write_integrity_record(storage: CheckpointStorage) -> None:
+    """Megatron-Core 0.19's ``integrity.json`` of the committed checkpoint, written by
+    the coordinator (collective: its failure is raised on every rank)."""
+    dist.run_on_coordinator(
+        lambda: write_integrity_record(storage),
+        f"writing {INTEGRITY_FNAME} of checkpoint {redact_uri(storage.uri)!r}",
+    )
 
 
 def get_default_save_sharded_strategy(

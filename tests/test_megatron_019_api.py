@@ -18,7 +18,7 @@ import torch
 import torch.distributed as torch_dist
 
 import cloudckpt
-from cloudckpt import ShardedTensor, serialization, tracker
+from cloudckpt import ShardedTensor, checker, serialization, tracker
 from cloudckpt.checker import MEGATRON_INTEGRITY_FNAME
 from cloudckpt.errors import (
     IntegrityCheckError,
@@ -123,6 +123,44 @@ def test_load_with_verify_integrity_checks_every_object_first(tmp_path: Path) ->
     assert damaged in str(err.value) and "checksum-mismatch" in str(err.value)
 
 
+def _sha256_of_files(directory: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MEGATRON_INTEGRITY_FNAME
+    }
+
+
+def test_save_with_verify_integrity_writes_megatrons_integrity_json(tmp_path: Path) -> None:
+    """After the commit, as Megatron-Core 0.19 does after metadata.json: every object's
+    SHA-256, so that its load(verify_integrity=True) checks cloudckpt's checkpoints too;
+    the checkpoint stays consistent for cloudckpt verify."""
+    directory = tmp_path / "ckpt"
+    cloudckpt.save(_state(3.0), str(directory), verify_integrity=True)
+    record = json.loads((directory / MEGATRON_INTEGRITY_FNAME).read_text())
+    assert record == {"algorithm": "sha256", "files": _sha256_of_files(directory)}
+    assert {"metadata.json", "manifest.json", ".metadata", "common.pt"} <= set(record["files"])
+    report = checker.verify(str(directory), deep=True)
+    assert report.ok, report.problems
+    assert cloudckpt.load(_target(), str(directory), verify_integrity=True)["iteration"] == 3
+    plain = tmp_path / "plain"
+    cloudckpt.save(_state(), str(plain))
+    assert not (plain / MEGATRON_INTEGRITY_FNAME).exists()
+
+
+def test_async_save_writes_integrity_json_after_its_commit(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    request = cloudckpt.save(
+        _state(8.0), str(directory), async_sharded_save=True, verify_integrity=True
+    )
+    assert request is not None
+    assert not (directory / MEGATRON_INTEGRITY_FNAME).exists()
+    request.execute_sync()
+    record = json.loads((directory / MEGATRON_INTEGRITY_FNAME).read_text())
+    assert record["files"] == _sha256_of_files(directory)
+    assert "metadata.json" in record["files"]  # written after the commit
+
+
 def test_verify_integrity_refuses_a_checkpoint_without_a_manifest(tmp_path: Path) -> None:
     uri = str(tmp_path / "ckpt")
     cloudckpt.save(_state(), uri)
@@ -136,12 +174,7 @@ def test_verify_integrity_refuses_a_checkpoint_without_a_manifest(tmp_path: Path
 
 def _megatron_integrity_json(directory: Path) -> None:
     """What Megatron-Core 0.19's save_integrity_manifest writes: every file's SHA-256."""
-    files = {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MEGATRON_INTEGRITY_FNAME
-    }
-    payload = {"algorithm": "sha256", "files": files}
+    payload = {"algorithm": "sha256", "files": _sha256_of_files(directory)}
     (directory / MEGATRON_INTEGRITY_FNAME).write_text(json.dumps(payload))
 
 

@@ -134,7 +134,8 @@ def _require_torch_dist() -> None:
 
 def _cloudckpt_save(rank: int, world: int, uri: str, tp: int, backend: str) -> int:
     state = spec.build_state(ShardedTensor, ShardedObject, rank, tp, object_world=world)
-    cloudckpt.save(state, uri, sharded_strategy=(backend, 1))
+    # torch_dist: as Megatron-Core 0.19 saves with --verify-integrity (integrity.json)
+    cloudckpt.save(state, uri, sharded_strategy=(backend, 1), verify_integrity=backend != "zarr")
     return rank
 
 
@@ -354,12 +355,14 @@ def test_cloudckpt_torch_dist_checkpoint_loads_in_mcore019_resharded_strict(
     mcore19: MegatronEnv, cloudckpt_torch_dist_ckpt: Path, tmp_path: Path
 ) -> None:
     """Megatron-Core 0.19 on 2 ranks (TP=2), strict="raise_all" (no missing or
-    unexpected key), and load_plain_tensors."""
+    unexpected key) and verify_integrity=True (the integrity.json cloudckpt wrote), and
+    load_plain_tensors."""
+    assert (cloudckpt_torch_dist_ckpt / MEGATRON_INTEGRITY_FNAME).is_file()
     loaders = ["default", "plain"]
     result = mcore19.run(
         tmp_path / "load.json", "load", "--dir", str(cloudckpt_torch_dist_ckpt),
         "--world", "2", "--tp", "2", "--object-world", str(SAVE_WORLD),
-        "--loaders", ",".join(loaders), "--strict", "raise_all",
+        "--loaders", ",".join(loaders), "--strict", "raise_all", "--verify-integrity",
     )  # fmt: skip
     assert result["world"] == 2
     _expect_megatron_loaded(result, 2, loaders, object_world=SAVE_WORLD)

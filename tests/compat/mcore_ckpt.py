@@ -71,6 +71,7 @@ def _load(
     object_world: int,
     loaders: list[str],
     strict: str | None,
+    verify_integrity: bool = False,
 ) -> dict[str, Any]:
     dc, version = _megatron()
     from megatron.core.dist_checkpointing.mapping import (  # noqa: PLC0415
@@ -89,6 +90,8 @@ def _load(
         kwargs: dict[str, Any] = {}
         if strict is not None:
             kwargs["strict"] = strict
+        if verify_integrity:  # 0.19: checks integrity.json before loading
+            kwargs["verify_integrity"] = True
         strategy = _loader(dc, name)
         if strategy is not None:
             kwargs["sharded_strategy"] = strategy
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="zarr", choices=["zarr", "torch_dist"])
     parser.add_argument("--loaders", default="default")
     parser.add_argument("--strict", default=None)
+    parser.add_argument("--verify-integrity", action="store_true")
     parser.add_argument("--out", required=True, help="JSON result file")
     args = parser.parse_args(argv)
     if args.action == "save":
@@ -122,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         loaders = [name for name in args.loaders.split(",") if name]
         results = harness.run_ranks(
-            _load, args.world, args.dir, args.tp, args.object_world, loaders, args.strict
-        )
+            _load, args.world, args.dir, args.tp, args.object_world, loaders, args.strict,
+            args.verify_integrity,
+        )  # fmt: skip
     with open(args.out, "w") as f:
         json.dump({"action": args.action, "world": args.world, "ranks": results}, f, indent=1)
     harness.log(f"{args.action} on {args.world} rank(s) done: {args.out}")
