@@ -15,6 +15,7 @@ manifest: *foreign*) has nothing to compare against; only its commit state is ch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -43,6 +44,7 @@ __all__ = [
     "PROBLEM_KINDS",
     "ConsistencyReport",
     "Problem",
+    "IntegrityPlan",
     "check_integrity",
     "verify",
 ]
@@ -159,21 +161,11 @@ def verify(
             f"verifying checkpoint {redact_uri(uri)!r}",
         )
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
-    listing = storage.list_sizes()
-    state = CommitState.from_names(listing)  # from the listing: no request per commit file
-    if state.absent:  # nothing, or other data: not a damaged checkpoint, none at all
-        raise no_checkpoint_error(storage.uri, len(listing))
-    uploads = storage.open_uploads()
-    backends, problems = _read_backends(storage, state)
-    manifest, manifest_problems = _read_manifest(storage, state)
-    problems = _commit_problems(state) + _upload_problems(uploads) + problems + manifest_problems
+    state, listing, manifest, problems = _shallow(storage)
     checked = 0
-    if manifest is not None:
-        problems += _backend_problems(manifest, backends) + _listing_problems(manifest, listing)
-        if deep:
-            intact = [e for e in manifest.objects if listing.get(e.path) == e.size]
-            crc_problems, checked = _checksum_problems(storage, intact, progress)
-            problems += crc_problems
+    if manifest is not None and deep:
+        crc_problems, checked = _checksum_problems(storage, _intact(manifest, listing), progress)
+        problems += crc_problems
     report = ConsistencyReport(
         uri=storage.uri,
         committed=state.committed,
@@ -188,11 +180,70 @@ def verify(
     return report
 
 
+def _shallow(
+    storage: CheckpointStorage,
+) -> tuple[CommitState, dict[str, int], Manifest | None, list[Problem]]:
+    """What :func:`verify` finds without reading data: the commit state, the listing
+    (path -> size), the manifest (None: none readable) and the problems found.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at all under the storage's URI.
+    """
+    listing = storage.list_sizes()
+    state = CommitState.from_names(listing)  # from the listing: no request per commit file
+    if state.absent:  # nothing, or other data: not a damaged checkpoint, none at all
+        raise no_checkpoint_error(storage.uri, len(listing))
+    uploads = storage.open_uploads()
+    backends, problems = _read_backends(storage, state)
+    manifest, manifest_problems = _read_manifest(storage, state)
+    problems = _commit_problems(state) + _upload_problems(uploads) + problems + manifest_problems
+    if manifest is not None:
+        problems += _backend_problems(manifest, backends) + _listing_problems(manifest, listing)
+    return state, listing, manifest, problems
+
+
+def _intact(manifest: Manifest, listing: Mapping[str, int]) -> list[ManifestEntry]:
+    """The manifest's objects stored with their recorded size (the others are problems)."""
+    return [e for e in manifest.objects if listing.get(e.path) == e.size]
+
+
 # problems of :func:`verify` that leave every recorded object intact (Megatron-Core's
 # integrity check likewise looks only at the files its record lists)
 _NOT_INTEGRITY = frozenset({"orphan-object", "open-multipart-upload"})
 
 MEGATRON_INTEGRITY_FNAME = INTEGRITY_FNAME
+
+
+@dataclass(frozen=True)
+class IntegrityPlan:
+    """What :func:`check_integrity` reads, as the coordinator found it (sent to every
+    rank, which reads its share).
+
+    Attributes:
+        record: what the checkpoint is checked against: "manifest" or ``integrity.json``.
+        problems: found without reading data (commit state, missing or resized objects).
+        crc_entries: manifest objects whose CRC-32C is checked, largest first.
+        sha_entries: ``(path, size, SHA-256)`` of ``integrity.json``'s files, largest first.
+    """
+
+    record: str
+    problems: tuple[Problem, ...]
+    crc_entries: tuple[ManifestEntry, ...] = ()
+    sha_entries: tuple[tuple[str, int, str], ...] = ()
+
+    def share(self, rank: int, world: int) -> IntegrityPlan:
+        """The objects rank ``rank`` of ``world`` reads (every world-th, by size)."""
+        return dataclasses.replace(
+            self,
+            problems=(),
+            crc_entries=self.crc_entries[rank::world],
+            sha_entries=self.sha_entries[rank::world],
+        )
+
+    @property
+    def objects(self) -> int:
+        """How many objects are read."""
+        return len(self.crc_entries) + len(self.sha_entries)
 
 
 def check_integrity(
@@ -201,10 +252,11 @@ def check_integrity(
     config: CheckpointConfig | None = None,
 ) -> int:
     """``load(..., verify_integrity=True)``: read every object and check it against the
-    checkpoint's integrity record, on rank 0, the verdict on every rank (call it on every
-    rank). The record is cloudckpt's manifest (sizes and CRC-32Cs), else the
-    ``integrity.json`` Megatron-Core 0.19 writes (SHA-256 of each file). Returns the
-    number of objects checked.
+    checkpoint's integrity record: cloudckpt's manifest (sizes and CRC-32Cs), else the
+    ``integrity.json`` Megatron-Core 0.19 writes (SHA-256 of each file). Collective: the
+    coordinator lists the checkpoint and reads the record, every rank reads its share of
+    the objects (so no rank waits for one rank to read them all), and every rank learns
+    the verdict. Returns the number of objects read.
 
     Raises:
         IntegrityCheckError: a problem (every one listed), or no record to check against.
@@ -213,60 +265,84 @@ def check_integrity(
     from cloudckpt import dist  # noqa: PLC0415 - torch only when called
 
     shown = redact_uri(uri)
-    found = dist.run_on_coordinator(
-        lambda: _integrity_problems(uri, storage_options, config),
-        f"checking the integrity of checkpoint {shown!r}",
-    )
-    if found is None:
+    what = f"checking the integrity of checkpoint {shown!r}"
+    plan = dist.run_on_coordinator(lambda: _integrity_plan(uri, storage_options, config), what)
+    if plan is None:
         raise IntegrityCheckError(
             f"checkpoint {shown!r} has no cloudckpt manifest and no Megatron-Core "
             f"{MEGATRON_INTEGRITY_FNAME} (saved without verify_integrity): "
             "verify_integrity=True has nothing to check it against"
         )
-    problems, checked, record = found
+    problems = list(plan.problems)
+    if not problems:  # (else the verdict is known: no object is read)
+        share = plan.share(dist.get_rank(), dist.get_world_size())
+        found = dist.all_gather_agreed(
+            what, lambda: _share_problems(uri, storage_options, config, share)
+        )
+        problems = sorted((p for part in found for p in part), key=lambda p: (p.path, p.kind))
     if problems:
         listed = "; ".join(f"{p.kind} {p.path or '-'}: {p.detail}" for p in problems[:20])
         more = len(problems) - 20
         listed += f"; and {more} more" if more > 0 else ""
         raise IntegrityCheckError(
-            f"checkpoint {shown!r} failed its integrity check against its {record} "
+            f"checkpoint {shown!r} failed its integrity check against its {plan.record} "
             f"(verify_integrity=True): {len(problems)} problem(s): {listed}"
         )
-    return checked
+    return plan.objects
 
 
-def _integrity_problems(
+def _integrity_plan(
     uri: str, storage_options: dict[str, Any] | None, config: CheckpointConfig | None
-) -> tuple[list[Problem], int, str] | None:
-    """(problems, objects checked, the record's name), or None without a record."""
-    report = verify(uri, True, storage_options=storage_options, config=config)
-    if not report.foreign:  # what the load reads is intact; extra objects do not matter
-        problems = [p for p in report.problems if p.kind not in _NOT_INTEGRITY]
-        return problems, report.objects, "manifest"
+) -> IntegrityPlan | None:
+    """The coordinator's part of :func:`check_integrity` (None: no record)."""
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
-    listing = storage.list_sizes()
+    state, listing, manifest, found = _shallow(storage)
+    if not state.foreign:  # what the load reads is intact; extra objects do not matter
+        problems = tuple(p for p in found if p.kind not in _NOT_INTEGRITY)
+        intact = _intact(manifest, listing) if manifest is not None else []
+        entries = tuple(sorted(intact, key=lambda e: -e.size))
+        return IntegrityPlan("manifest", problems, crc_entries=entries)
     if MEGATRON_INTEGRITY_FNAME not in listing:
         return None
+    record = MEGATRON_INTEGRITY_FNAME
     try:
-        doc = json.loads(storage.read(MEGATRON_INTEGRITY_FNAME))
+        doc = json.loads(storage.read(record))
         files = dict(doc["files"]) if doc.get("algorithm") == "sha256" else None
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         files, doc = None, {"error": str(exc)}
     if files is None:
         detail = f"not a sha256 file list: {str(doc)[:200]}"
-        return [Problem("bad-manifest", MEGATRON_INTEGRITY_FNAME, detail)], 0, "integrity.json"
+        return IntegrityPlan(record, (Problem("bad-manifest", record, detail),))
+    missing = tuple(
+        Problem("missing-object", name, f"listed in {record}")
+        for name in sorted(files)
+        if name not in listing
+    )
+    present = [(name, listing[name], str(want)) for name, want in files.items() if name in listing]
+    by_size = tuple(sorted(present, key=lambda e: (-e[1], e[0])))
+    return IntegrityPlan(record, missing, sha_entries=by_size)
 
-    def check(item: tuple[str, str]) -> Problem | None:
-        name, want = item
-        if name not in listing:
-            return Problem("missing-object", name, f"listed in {MEGATRON_INTEGRITY_FNAME}")
-        got = storage.sha256(name, listing[name])
-        if got != want:
-            return Problem("checksum-mismatch", name, f"SHA-256 {got}, recorded {want}")
-        return None
 
-    found = storage.map(check, sorted(files.items()))
-    return [p for p in found if p is not None], len(files), MEGATRON_INTEGRITY_FNAME
+def _share_problems(
+    uri: str,
+    storage_options: dict[str, Any] | None,
+    config: CheckpointConfig | None,
+    share: IntegrityPlan,
+) -> list[Problem]:
+    """Read this rank's share of :func:`check_integrity`'s objects; what differs."""
+    if not share.objects:
+        return []
+    storage = open_checkpoint(uri, storage_options=storage_options, config=config)
+    problems = _checksum_problems(storage, share.crc_entries, None)[0] if share.crc_entries else []
+
+    def sha_problem(entry: tuple[str, int, str]) -> Problem | None:
+        path, size, want = entry
+        got = storage.sha256(path, size)
+        if got == want:
+            return None
+        return Problem("checksum-mismatch", path, f"SHA-256 {got}, recorded {want}")
+
+    return problems + [p for p in storage.map(sha_problem, share.sha_entries) if p is not None]
 
 
 def _commit_problems(state: CommitState) -> list[Problem]:

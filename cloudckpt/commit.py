@@ -476,20 +476,31 @@ def _warn_if_not_exclusive(storage: CheckpointStorage) -> None:
     )
 
 
-def write_integrity_record(storage: CheckpointStorage) -> WriteResult:
-    """Megatron-Core 0.19's ``integrity.json`` for a committed checkpoint: the SHA-256 of
-    every object under it (read back, ``max_in_flight`` at once), written create-only.
-    What ``save(..., verify_integrity=True)`` adds after the commit, as Megatron-Core
-    does after ``metadata.json``, so that its ``load(..., verify_integrity=True)`` can
-    check cloudckpt's checkpoints too. Coordinator only.
+def integrity_sources(storage: CheckpointStorage) -> list[tuple[str, int]]:
+    """``(path, size)`` of every object of a committed checkpoint that Megatron-Core
+    0.19's ``integrity.json`` lists (all but itself), largest first: what
+    :func:`sha256_digests` reads, a share per rank. Coordinator only."""
+    listing = storage.list_sizes()
+    items = [(path, size) for path, size in listing.items() if path != INTEGRITY_FNAME]
+    return sorted(items, key=lambda item: (-item[1], item[0]))
+
+
+def sha256_digests(storage: CheckpointStorage, items: Sequence[tuple[str, int]]) -> dict[str, str]:
+    """Hex SHA-256 of each ``(path, size)`` object, read back ``max_in_flight`` at once."""
+    digests = storage.map(lambda item: storage.sha256(*item), list(items))
+    return {path: digest for (path, _), digest in zip(items, digests, strict=True)}
+
+
+def write_integrity_record(storage: CheckpointStorage, digests: Mapping[str, str]) -> WriteResult:
+    """Megatron-Core 0.19's ``integrity.json``, ``{"algorithm": "sha256", "files": ...}``,
+    written create-only: what ``save(..., verify_integrity=True)`` adds after the commit,
+    as Megatron-Core does after ``metadata.json``, so that its ``load(...,
+    verify_integrity=True)`` can check cloudckpt's checkpoints too. Coordinator only.
 
     Raises:
         ObjectExistsError: the checkpoint has an integrity record already.
     """
-    listing = storage.list_sizes()
-    names = sorted(path for path in listing if path != INTEGRITY_FNAME)
-    digests = storage.map(lambda path: storage.sha256(path, listing[path]), names)
-    payload = {"algorithm": "sha256", "files": dict(zip(names, digests, strict=True))}
+    payload = {"algorithm": "sha256", "files": dict(sorted(digests.items()))}
     written = storage.write(INTEGRITY_FNAME, json.dumps(payload, indent=2).encode(), exclusive=True)
-    logger.info("wrote %s: SHA-256 of %d objects at %s", INTEGRITY_FNAME, len(names), storage.uri)
+    logger.info("wrote %s: SHA-256 of %d objects at %s", INTEGRITY_FNAME, len(digests), storage.uri)
     return written

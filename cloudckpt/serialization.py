@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 from cloudckpt import dist
 from cloudckpt.checker import check_integrity
-from cloudckpt.commit import open_committed, read_commit_state, write_integrity_record
+from cloudckpt.commit import (
+    integrity_sources,
+    open_committed,
+    read_commit_state,
+    sha256_digests,
+    write_integrity_record,
+)
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.load_session import LoadSession, load_checkpoint
 from cloudckpt.manifest import INTEGRITY_FNAME
@@ -102,8 +108,9 @@ def save(
             default) or "mcore"; cloudckpt runs its own async save for either (see
             :data:`~cloudckpt.strategies.async_utils.ASYNC_STRATEGIES`).
         verify_integrity: Megatron-Core 0.19's: after the commit (for an async save, in
-            a finalize function after the commit's), the coordinator reads every object
-            back and writes ``integrity.json`` with their SHA-256, as Megatron-Core
+            a finalize function after the commit's), the ranks read every object back,
+            a share each, and the coordinator writes ``integrity.json`` with their
+            SHA-256, as Megatron-Core
             does, so that its ``load(..., verify_integrity=True)`` can check the
             checkpoint too. cloudckpt's own check needs none of it: the manifest of
             every save records every object's size and CRC-32C.
@@ -149,12 +156,16 @@ def save(
 
 
 def _write_integrity_record(storage: CheckpointStorage) -> None:
-    """Megatron-Core 0.19's ``integrity.json`` of the committed checkpoint, written by
-    the coordinator (collective: its failure is raised on every rank)."""
-    dist.run_on_coordinator(
-        lambda: write_integrity_record(storage),
-        f"writing {INTEGRITY_FNAME} of checkpoint {redact_uri(storage.uri)!r}",
-    )
+    """Megatron-Core 0.19's ``integrity.json`` of the committed checkpoint. Collective:
+    the coordinator lists the objects, every rank reads back and hashes its share (so no
+    rank waits for one rank to read them all), the coordinator writes the record; a
+    failure anywhere is raised on every rank."""
+    what = f"writing {INTEGRITY_FNAME} of checkpoint {redact_uri(storage.uri)!r}"
+    items = dist.run_on_coordinator(lambda: integrity_sources(storage), what)
+    share = items[dist.get_rank() :: dist.get_world_size()]
+    shares = dist.all_gather_agreed(what, lambda: sha256_digests(storage, share))
+    digests = {path: digest for part in shares for path, digest in part.items()}
+    dist.run_on_coordinator(lambda: write_integrity_record(storage, digests), what)
 
 
 def get_default_save_sharded_strategy(
@@ -235,8 +246,8 @@ def load(
             *unexpected* keys (requested here, not stored; dropped by every mode but
             ``ASSUME_OK_UNEXPECTED``), as in Megatron-Core.
         verify_integrity: before loading, read every object of the checkpoint and check
-            its size and CRC-32C against the manifest (as ``cloudckpt verify --deep``,
-            on rank 0, the verdict on every rank), as Megatron-Core 0.19 checks its
+            its size and CRC-32C against the manifest (as ``cloudckpt verify --deep``;
+            every rank reads a share, every rank gets the verdict), as Megatron-Core 0.19 checks its
             ``integrity.json``. A checkpoint without a manifest (Megatron-Core's own) is
             checked against that ``integrity.json`` (SHA-256 of every file it lists);
             without either it cannot be checked and raises.

@@ -200,6 +200,50 @@ def test_verify_integrity_checks_megatrons_integrity_json_without_a_manifest(
         cloudckpt.load(_target(), str(directory), verify_integrity=True)
 
 
+def _integrity_on_ranks(rank: int, world: int, uri: str, phase: str) -> dict[str, Any]:
+    """4 ranks: save with integrity.json (every rank hashes a share), or load with
+    verify_integrity (every rank checks a share); what each rank saw."""
+    rows = torch.full((2, 3), float(rank))
+    state = {"w": ShardedTensor.from_rank_offsets("w", rows, (0, rank, world)), "it": 5}
+    if phase == "save":
+        cloudckpt.save(state, uri, verify_integrity=True)
+        return {"ok": True}
+    target = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), (0, rank, world))}
+    try:
+        loaded = cloudckpt.load(target, uri, verify_integrity=True)
+    except IntegrityCheckError as exc:
+        return {"error": str(exc)}
+    return {"rows": loaded["w"].tolist()}
+
+
+@pytest.mark.multirank
+def test_integrity_is_hashed_and_checked_by_every_rank(rank_pool: Any, tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    assert rank_pool.run(_integrity_on_ranks, str(directory), "save") == [{"ok": True}] * 4
+    record = json.loads((directory / MEGATRON_INTEGRITY_FNAME).read_text())
+    assert record == {"algorithm": "sha256", "files": _sha256_of_files(directory)}
+    assert sum(name.endswith(".distcp") for name in record["files"]) == 4  # one per rank
+    loads = rank_pool.run(_integrity_on_ranks, str(directory), "load")
+    assert [out["rows"] for out in loads] == [[[float(r)] * 3] * 2 for r in range(4)]
+    damaged = sorted(p for p in record["files"] if p.endswith(".distcp"))
+    for name in damaged:  # equal sizes: consecutive in the plan, one per rank's share
+        data = bytearray((directory / name).read_bytes())
+        data[-1] ^= 0xFF
+        (directory / name).write_bytes(bytes(data))
+    loads = rank_pool.run(_integrity_on_ranks, str(directory), "load")
+    for out in loads:  # every rank raises every rank's findings
+        assert all(f"checksum-mismatch {name}" in out["error"] for name in damaged), out
+
+
+def test_integrity_plan_shares_objects_by_size_across_ranks() -> None:
+    entries = tuple((f"o{i}", 100 - i, "x") for i in range(10))
+    plan = checker.IntegrityPlan("integrity.json", (), sha_entries=entries)
+    shares = [plan.share(rank, 4) for rank in range(4)]
+    assert [s.objects for s in shares] == [3, 3, 2, 2]
+    assert sorted(e for s in shares for e in s.sha_entries) == sorted(entries)
+    assert shares[1].sha_entries == (entries[1], entries[5], entries[9])
+
+
 # -- cache_metadata ---------------------------------------------------------------------
 
 
