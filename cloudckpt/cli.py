@@ -23,15 +23,19 @@ traceback (with ``--json``, also as a JSON document on stdout) and :func:`exit_s
 its type to the status, the same for every subcommand (:data:`EXIT_STATUS_HELP`): 0
 success; 1 a checkpoint problem found (uncommitted, inconsistent, corrupt, incompatible,
 conflicting); 2 usage error, no checkpoint at the URI, unreachable store or refused or
-missing credentials.
+missing credentials; 141 (128 + SIGPIPE) when the reader of stdout went away (``cloudckpt
+inspect URI | head -1``), which ends the command quietly, as ``cat`` ends in a pipeline.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import select
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from cloudckpt import checker, tracker
 from cloudckpt.cli_bench import _add_bench
@@ -41,6 +45,7 @@ from cloudckpt.cli_format import (
     dump_json,
     inspect_lines,
     ls_lines,
+    ls_nested_lines,
     ls_records,
     manifest_size,
     progress_bar,
@@ -66,10 +71,15 @@ from cloudckpt.errors import (
 )
 from cloudckpt.logfilter import install, install_on_handler
 from cloudckpt.redact import redact_text, redact_uri
+from cloudckpt.storage import open_checkpoint
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1  # a checkpoint problem found
 EXIT_UNAVAILABLE = 2  # usage error, no checkpoint at the URI, store unreachable or refused
+# the reader of stdout went away (`| head`): the status a shell reports for a process
+# killed by SIGPIPE (13), as `cat` or `ls` would be; not 1, which means a checkpoint problem
+EXIT_READER_GONE = 128 + 13
+NESTED_PREFIXES_LOOKED_AT = 100  # `ls` of a prefix without checkpoints: children searched
 
 # the first entry whose type matches an escaping error gives the exit status
 _EXIT_STATUS: tuple[tuple[type[BaseException], int], ...] = (
@@ -91,6 +101,8 @@ exit status (every command):
      OK), incompatible, or already written (convert)
   2  usage error, no checkpoint at the URI (or nothing under PARENT_URI), store
      unreachable, credentials refused or missing, or another storage failure
+  141  the reader of the output went away (e.g. `| head -1`): the command stops
+     quietly, as one killed by SIGPIPE would
 """
 
 
@@ -120,7 +132,9 @@ def _add_ls(subparsers: Subparsers) -> None:
         "holding iter_0001000, iter_0002000, ...): name, iteration, state (committed, "
         "uncommitted, or foreign: committed by Megatron-Core or PyTorch without a manifest), "
         "size, commit time and writer world size. Nothing stored under PARENT_URI at all is an "
-        "error (exit 2); a prefix holding other objects but no checkpoint lists none (exit 0).",
+        "error (exit 2); a prefix holding other objects but no checkpoint lists none (exit 0), "
+        "and names the prefixes one level down that hold checkpoints (a run directory such "
+        "as ./cloudckpt-demo, whose checkpoints are in run-*/iter_*).",
     )
     parser.add_argument("parent_uri", metavar="PARENT_URI", help="prefix holding checkpoints")
     _add_store_options(parser)
@@ -130,13 +144,33 @@ def _add_ls(subparsers: Subparsers) -> None:
 def _cmd_ls(args: argparse.Namespace) -> int:
     kwargs = _library_kwargs(args)
     infos = tracker.list_checkpoints(args.parent_uri, **kwargs)
+    nested: dict[str, int] = {}
     if not infos:
         _require_stored(args.parent_uri, kwargs)
-    if args.json:
+        nested = _nested_checkpoints(args.parent_uri, kwargs)
+    if args.json:  # the list stays the document; where the checkpoints are goes to stderr
         print(dump_json(ls_records(infos)))
+        if nested:
+            print("\n".join(ls_nested_lines(args.parent_uri, nested)), file=sys.stderr)
+    elif nested:
+        print("\n".join(ls_nested_lines(args.parent_uri, nested)))
     else:
         print("\n".join(ls_lines(args.parent_uri, infos)))
     return 0
+
+
+def _nested_checkpoints(parent_uri: str, kwargs: dict[str, Any]) -> dict[str, int]:
+    """Child prefix URI -> the number of checkpoints directly under it, for the first
+    :data:`NESTED_PREFIXES_LOOKED_AT` children of ``parent_uri`` that hold any (a run
+    directory of runs: ``./cloudckpt-demo/run-*/iter_*``)."""
+    names = open_checkpoint(parent_uri, **kwargs).list_children()[:NESTED_PREFIXES_LOOKED_AT]
+    found: dict[str, int] = {}
+    for name in names:
+        child = parent_uri.rstrip("/") + "/" + name
+        count = len(tracker.list_checkpoints(child, **kwargs))
+        if count:
+            found[child] = count
+    return found
 
 
 # -- inspect ---------------------------------------------------------------------------------
@@ -250,20 +284,73 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The exit status, the same contract for every subcommand (:data:`EXIT_STATUS_HELP`):
         0 success; 1 a checkpoint problem found; 2 usage error, no checkpoint at the URI,
-        unreachable store or refused credentials.
+        unreachable store or refused credentials; 141 the reader of stdout went away.
     """
+    try:
+        try:
+            return _run(argv)
+        finally:  # also after --help: a closed pipe fails here, not at the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_broken():
+            raise
+        return _reader_gone()
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     handler: Handler = args.handler
     try:
         return handler(args)
+    except BrokenPipeError as exc:
+        if _stdout_broken():
+            raise  # main ends quietly
+        return _failed(args, exc)
     except (CheckpointingException, UsageError, OSError, ValueError) as exc:
-        _print_error(args, exc)
-        if getattr(args, "json", False):
-            uri, error = redact_uri(_target(args)), redact_text(str(exc))
-            print(dump_json({"uri": uri, "ok": False, "error": error}))
-        return exit_status(exc)
+        return _failed(args, exc)
     except KeyboardInterrupt:
         print(f"cloudckpt {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _failed(args: argparse.Namespace, exc: BaseException) -> int:
+    """Report an error escaping a handler; -> its exit status."""
+    _print_error(args, exc)
+    if getattr(args, "json", False):
+        uri, error = redact_uri(_target(args)), redact_text(str(exc))
+        print(dump_json({"uri": uri, "ok": False, "error": error}))
+    return exit_status(exc)
+
+
+def _stdout_broken() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone: the file descriptor
+    polls as an error. A BrokenPipeError from elsewhere (a socket of the store is
+    translated into a StorageError before it gets here) is then an error like any
+    other. Where stdout has no descriptor or poll() is missing, a BrokenPipeError is
+    taken to be stdout's."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return True
+    if not hasattr(select, "poll"):
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _reader_gone() -> int:
+    """End quietly after the reader of stdout closed it (``| head``): what is still
+    buffered goes to /dev/null, so the interpreter's final flush of stdout does not
+    print "Exception ignored ... BrokenPipeError" (the recipe of Python's documentation
+    for SIGPIPE; SIGPIPE itself stays ignored, so a store's connection closed mid-request
+    still raises instead of killing the command)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass  # no descriptor (stdout replaced in-process): nothing is flushed at exit
+    return EXIT_READER_GONE

@@ -140,6 +140,17 @@ def ls_lines(parent_uri: str, infos: Sequence[CheckpointInfo]) -> list[str]:
     return [*table(headers, rows, right="ITERATION,SIZE,WORLD"), summary]
 
 
+def ls_nested_lines(parent_uri: str, nested: Mapping[str, int]) -> list[str]:
+    """``ls`` of a prefix without checkpoints of its own whose children hold some
+    (``nested``: child URI -> checkpoints directly under it): where they are, and the
+    command that lists the first."""
+    parent = redact_uri(parent_uri)
+    lines = [f"no checkpoints directly under {parent}; found checkpoints one level down in:"]
+    lines += [f"  {redact_uri(uri)} ({plural(n, 'checkpoint')})" for uri, n in nested.items()]
+    lines.append(f"run `cloudckpt ls {redact_uri(next(iter(nested)))}` to list them")
+    return lines
+
+
 # -- inspect -------------------------------------------------------------------------------
 
 
