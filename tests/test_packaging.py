@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,36 @@ def test_license_is_an_spdx_expression_built_without_deprecation_warnings(
     metadata = (out / proc.stdout.strip().splitlines()[-1] / "METADATA").read_text()
     assert "License-Expression: Apache-2.0" in metadata
     assert "Provides-Extra: s3" in metadata and "Provides-Extra: all" in metadata
+
+
+def test_editable_install_is_a_path_file_built_without_warnings(tmp_path: Path) -> None:
+    # a flat layout without package-dir makes setuptools install a meta path finder and
+    # warn ("Editable installation. ... Please be careful with folders in your working
+    # directory"), which pip >= 25 prints on every install of scripts/setup-env.sh
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"": "."}
+    src = tmp_path / "src"
+    (src / "cloudckpt").mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO_ROOT / name, src / name)
+    (src / "cloudckpt" / "__init__.py").write_text("")
+    out = tmp_path / "wheel"
+    out.mkdir()
+    code = "import sys, setuptools.build_meta as b; print(b.build_editable(sys.argv[1]))"
+    proc = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code, str(out)],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr and "Please be careful" not in proc.stderr, proc.stderr
+    wheel = out / proc.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(wheel) as archive:
+        pth = [n for n in archive.namelist() if n.endswith(".pth")]
+        assert pth == ["__editable__.cloudckpt-0.1.0.pth"], archive.namelist()
+        assert archive.read(pth[0]).decode().strip() == str(src.resolve())
 
 
 # -- a URI whose object store is not installed -------------------------------------------
