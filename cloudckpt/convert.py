@@ -25,13 +25,14 @@ from cloudckpt import dist
 from cloudckpt.commit import claim, commit
 from cloudckpt.config import CheckpointConfig, GiB
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.keys import KeyLayout, gather_keys, validate_key_set
+from cloudckpt.keys import KeyLayout, gather_keys, tensor_shapes, validate_key_set
 from cloudckpt.load_session import LoadSession
 from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 from cloudckpt.redact import redact_uri
 from cloudckpt.session import SaveSession
 from cloudckpt.storage import WriteResult
+from cloudckpt.storage.limits import path_limits
 from cloudckpt.strategies.base import StrategyAction, get_default_strategy
 
 logger = logging.getLogger(__name__)
@@ -152,8 +153,10 @@ def _check_keys(tensors: ShardedStateDict, objects: ShardedStateDict, target: Sa
         InvalidKeyError / KeyCollisionError: naming the keys and the target URI.
     """
     shards = [v for v in (*tensors.values(), *objects.values()) if isinstance(v, ShardedBase)]
-    layout = KeyLayout.of(target.backends.sharded_backend, target.objects_with_tensors)
-    validate_key_set(gather_keys({0: shards}), layout, target.storage.uri, 0)
+    limits = path_limits(target.storage.location)
+    layout = KeyLayout.of(target.backends.sharded_backend, target.objects_with_tensors, limits)
+    per_rank = {0: shards}
+    validate_key_set(gather_keys(per_rank), layout, target.storage.uri, 0, tensor_shapes(per_rank))
 
 
 def _copy_tensors(

@@ -7,7 +7,14 @@ hold it:
 * :class:`~cloudckpt.errors.InvalidKeyError`: a key that is no usable object path
   (:func:`cloudckpt.storage.location.relpath_problem`: empty, leading ``/``, empty,
   ``.`` or ``..`` segments, ``?``, ``#``, ``*``, ``[``, ``]``, backslash, control
-  characters).
+  characters), or whose object paths are longer than the store holds
+  (:class:`~cloudckpt.storage.limits.PathLimits` of the layout: S3 1,024 bytes per
+  key, the checkpoint's prefix included; a local disk 255 bytes per segment and 4,096
+  per path). The paths checked are those the layout derives from the key: zarr
+  ``<key>/.zarray`` and ``<key>/<chunk>`` (the longest chunk name the tensor's global
+  shape allows: every index at most the axis length - 1), a ShardedObject file
+  ``<unique_key>.pt``; torch_dist keys are DCP item names inside ``__<r>_<i>.distcp``
+  objects, whose names no key changes, so no length applies to them.
 * :class:`~cloudckpt.errors.KeyCollisionError`: keys that the backend's layout
   (:class:`KeyLayout`) would store at one path, one inside another's object, at one of
   cloudckpt's own files, or (torch_dist) under one DCP item name.
@@ -29,14 +36,16 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cloudckpt.errors import InvalidKeyError, KeyCollisionError
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor
+from cloudckpt.storage.limits import NO_PATH_LIMITS, PathLimits
 from cloudckpt.storage.location import relpath_problem
 
 MAX_LISTED = 10  # problems listed in one message before "... and N more"
+MAX_SHOWN_CHARS = 80  # a longer key or path is shown by its ends and its length
 
 RESERVED_FILES = {
     "manifest.json": "cloudckpt's manifest.json",
@@ -59,17 +68,28 @@ class KeyLayout:
             False: tensors are DCP items inside shared objects (torch_dist).
         object_files: a ShardedObject is the file ``<unique_key>.pt`` (the torch common
             strategy); False: objects are DCP items of the sharded backend.
+        limits: the longest paths the store holds below the checkpoint's root.
     """
 
     tensor_dirs: bool
     object_files: bool
+    limits: PathLimits = NO_PATH_LIMITS
 
     @classmethod
-    def of(cls, sharded_backend: str, objects_with_tensors: bool) -> KeyLayout:
+    def of(
+        cls, sharded_backend: str, objects_with_tensors: bool, limits: PathLimits = NO_PATH_LIMITS
+    ) -> KeyLayout:
         """The layout of a save by ``sharded_backend``; ``objects_with_tensors``: that
-        backend stores the ShardedObjects too. Backends other than torch_dist are taken
-        to keep a tensor under ``<key>/``, as zarr does."""
-        return cls(sharded_backend != "torch_dist", not objects_with_tensors)
+        backend stores the ShardedObjects too; ``limits``: those of the store
+        (:func:`cloudckpt.storage.limits.path_limits`). Backends other than torch_dist
+        are taken to keep a tensor under ``<key>/``, as zarr does."""
+        return cls(sharded_backend != "torch_dist", not objects_with_tensors, limits)
+
+    @property
+    def needs_shapes(self) -> bool:
+        """Whether the key checks need the tensors' global shapes (their zarr chunk
+        names count against the store's path limits)."""
+        return self.tensor_dirs and self.limits.bounded
 
     @property
     def dcp_items(self) -> bool:
@@ -109,6 +129,17 @@ def gather_keys(per_rank: Mapping[int, Iterable[ShardedBase]]) -> KeySet:
     return _sorted(tensors), _sorted(objects)
 
 
+def tensor_shapes(per_rank: Mapping[int, Iterable[ShardedBase]]) -> dict[str, tuple[int, ...]]:
+    """Each tensor key's global shape (the first shard's; the sharding checks compare
+    the others), for :func:`validate_key_set`."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shards in per_rank.values():
+        for shard in shards:
+            if isinstance(shard, ShardedTensor) and shard.key not in shapes:
+                shapes[shard.key] = tuple(shard.global_shape)
+    return shapes
+
+
 def key_set(tensors: Mapping[str, Iterable[int]], objects: Mapping[str, Iterable[int]]) -> KeySet:
     """The key set of tensor keys and object unique keys -> the ranks holding each,
     ordered as :func:`gather_keys` orders it."""
@@ -119,21 +150,30 @@ def _sorted(found: Mapping[str, Iterable[int]]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(sorted(v)) for k, v in sorted(found.items(), key=lambda kv: str(kv[0]))}
 
 
-def validate_key_set(keys: KeySet, layout: KeyLayout, uri: str, rank: int) -> None:
+def validate_key_set(
+    keys: KeySet,
+    layout: KeyLayout,
+    uri: str,
+    rank: int,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> None:
     """Check every key of a save (all ranks) before anything is written.
 
     Args:
         keys: from :func:`gather_keys` over every rank's shards.
-        layout: how the save's backends store keys.
+        layout: how the save's backends store keys, and the store's path limits.
         uri: the checkpoint (redacted), for the message.
         rank: this rank, for the message.
+        shapes: tensor key -> global shape (:func:`tensor_shapes`), where
+            ``layout.needs_shapes``; a tensor missing from it counts as 0-d.
 
     Raises:
-        InvalidKeyError: keys that are no usable object path (all listed).
+        InvalidKeyError: keys that are no usable object path, or whose paths are
+            longer than the store holds (all listed).
         KeyCollisionError: keys that collide after mapping to paths (all listed).
     """
     where = f"rank {rank}: checkpoint {uri!r}"
-    invalid = _invalid_keys(keys)
+    invalid = _invalid_keys(keys) + _overlong_paths(keys, layout, shapes or {})
     if invalid:
         raise InvalidKeyError(_message(f"{where}: invalid key(s)", invalid))
     collisions = _dcp_collisions(keys) if layout.dcp_items else _path_collisions(keys, layout)
@@ -162,6 +202,51 @@ def _invalid_keys(keys: KeySet) -> list[str]:
         problem = relpath_problem(key)
         if problem is not None:
             out.append(f"{_Owner(what, ranks)}: {problem}")
+    return out
+
+
+def longest_chunk_name(global_shape: Sequence[int]) -> str:
+    """The longest name a zarr chunk of an array of ``global_shape`` can have: each index
+    at most the axis length - 1 (a chunk is at least one element wide), ``.``-joined
+    as cloudckpt names chunks; ``0`` for a 0-d array."""
+    return ".".join(str(max(int(n) - 1, 0)) for n in global_shape) or "0"
+
+
+def _shown(text: str) -> str:
+    """``repr(text)``; for a long one, its ends and its length."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:40] + '...' + text[-20:]!r} ({len(text)} characters)"
+
+
+def _overlong_paths(
+    keys: KeySet, layout: KeyLayout, shapes: Mapping[str, Sequence[int]]
+) -> list[str]:
+    """Keys (usable paths otherwise) one of whose derived object paths the store cannot
+    hold (:class:`PathLimits`): zarr tensors' ``.zarray`` and longest chunk, objects'
+    ``.pt`` files; torch_dist items derive none."""
+    if not layout.limits.bounded:
+        return []
+    tensors, objects = keys
+    derived: list[tuple[str, tuple[int, ...], list[str]]] = []
+    if layout.tensor_dirs:
+        for key, ranks in tensors.items():
+            chunk = longest_chunk_name(shapes.get(key, ()))
+            derived.append((f"tensor {_shown(key)}", ranks, [f"{key}/.zarray", f"{key}/{chunk}"]))
+    if layout.object_files:
+        for unique_key, ranks in objects.items():
+            derived.append((f"object shard {_shown(unique_key)}", ranks, [f"{unique_key}.pt"]))
+    out = []
+    for what, ranks, paths in derived:
+        if relpath_problem(paths[0].rpartition("/")[0]) is not None:
+            continue  # refused for that already
+        for path in paths:
+            problem = layout.limits.problem(path)
+            if problem is not None:
+                out.append(
+                    f"{_Owner(what, ranks)}: its object {_shown(path)} is too long: {problem}"
+                )
+                break
     return out
 
 

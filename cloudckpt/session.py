@@ -58,6 +58,7 @@ from cloudckpt.mapping import (
 from cloudckpt.redact import redact_uri
 from cloudckpt.shard_table import ShardTable, check_metadata
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint, validate_relpath
+from cloudckpt.storage.limits import path_limits
 from cloudckpt.storage.staging import StagingStorage
 from cloudckpt.strategies.async_utils import AsyncRequest
 from cloudckpt.strategies.base import (
@@ -510,7 +511,7 @@ class SaveSession:
         backend = self.backends.sharded_backend
         check_gathered_tables(
             gathered,
-            KeyLayout.of(backend, self.objects_with_tensors),
+            KeyLayout.of(backend, self.objects_with_tensors, path_limits(self.storage.location)),
             self.storage.uri,
             dist.get_rank(),
             sharding=validate,

@@ -33,7 +33,14 @@ import numpy as np
 from cloudckpt.array_utils import sorted_unique, unique_rows
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.huge_pages import without_huge_page_advice
-from cloudckpt.keys import KeyLayout, KeySet, gather_keys, key_set, validate_key_set
+from cloudckpt.keys import (
+    KeyLayout,
+    KeySet,
+    gather_keys,
+    key_set,
+    tensor_shapes,
+    validate_key_set,
+)
 from cloudckpt.mapping import ShardedBase
 from cloudckpt.shard_table import (
     DTYPE,
@@ -79,10 +86,11 @@ def check_gathered_tables(
         shards = [rebuild_shards(t) for t in tables]
         check_shards(shards, layout, uri, rank, sharding, regular_grid_for)
         return
+    shapes = gathered.tensor_shapes() if layout.needs_shapes else None
     try:
-        validate_key_set(gathered.distinct_keys(), layout, uri, rank)
+        validate_key_set(gathered.distinct_keys(), layout, uri, rank, shapes)
     except CheckpointingException:
-        validate_key_set(gathered.key_set(), layout, uri, rank)  # raises, with the ranks
+        validate_key_set(gathered.key_set(), layout, uri, rank, shapes)  # raises, with ranks
         logger.warning("the key checks of %s disagreed; the exact ones passed", uri)
     if not sharding:
         return
@@ -126,7 +134,9 @@ def check_shards(
     regular_grid_for: str | None = None,
 ) -> None:
     """The object-based checks of every rank's shards (``gathered[rank]``)."""
-    validate_key_set(gather_keys(dict(enumerate(gathered))), layout, uri, rank)
+    per_rank = dict(enumerate(gathered))
+    shapes = tensor_shapes(per_rank) if layout.needs_shapes else None
+    validate_key_set(gather_keys(per_rank), layout, uri, rank, shapes)
     if sharding:
         validate_sharding_integrity(gathered, uri, regular_grid_for)
 
@@ -231,6 +241,20 @@ class Gathered:
                 for i in row:
                     objects[names[i]].add(rank)
         return key_set(tensors, objects)
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor key's global shape (its first row's; the sharding checks compare
+        the others), for the path limits of :func:`validate_key_set`."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for group in self.groups:
+            rows = np.flatnonzero(group.kinds == TENSOR)
+            gids, first = np.unique(group.gids[rows], return_index=True)
+            for gid, row in zip(gids.tolist(), rows[first].tolist(), strict=True):
+                ndim = int(group.part.columns[row, NDIM])
+                shapes.setdefault(
+                    self.names[gid], tuple(group.part.global_shapes[row, :ndim].tolist())
+                )
+        return shapes
 
     # -- sharding --------------------------------------------------------------------------
 
