@@ -34,6 +34,7 @@ from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
+    CheckpointRemovedError,
     CommitConflictError,
     ObjectExistsError,
     UncommittedCheckpointError,
@@ -50,6 +51,7 @@ from cloudckpt.manifest import (
     merge_records,
 )
 from cloudckpt.storage import CheckpointStorage, WriteResult, crc32c
+from cloudckpt.tombstone import PEEK_BYTES, Tombstone, is_tombstone
 
 logger = logging.getLogger(__name__)
 
@@ -369,15 +371,26 @@ def commit_gathered(
     backends: CheckpointingConfig,
     claimed: WriteResult | None,
 ) -> Manifest:
-    """The coordinator's part of a commit: check its claim, merge every rank's commit
-    record (by rank), write ``manifest.json`` (create-only), then ``metadata.json``.
+    """The coordinator's part of a commit: merge every rank's commit record (by rank),
+    create ``manifest.json`` (create-only: the one write that decides against a removal,
+    see :mod:`cloudckpt.tombstone`), check that its claim is still the one it wrote,
+    write ``metadata.json``, and check that no removal replaced the manifest meanwhile.
+    Then abort what this save left open (an upload whose creation was answered but the
+    answer lost), since nothing else can be writing under a committed prefix.
 
     Raises:
-        CommitConflictError: the claim was removed or replaced, or ``manifest.json``
-            exists already.
+        CheckpointRemovedError: a removal (``cloudckpt gc``, ``rm``) took the checkpoint
+            first; the objects this save wrote are deleted before it is raised.
+        CommitConflictError: another job committed the checkpoint or replaced the claim.
     """
-    _check_claim(storage, claimed)
-    return _write_commit(storage, build_manifest(gathered, backends), backends)
+    manifest = build_manifest(gathered, backends)
+    try:
+        _write_commit(storage, manifest, backends, claimed)
+    except CheckpointRemovedError:
+        withdraw(storage, manifest)
+        raise
+    abort_open_uploads(storage, "left open by its save")
+    return manifest
 
 
 def tensor_piece(digests: Sequence[bytes], rank: int) -> tuple[int, int]:
@@ -406,39 +419,128 @@ def build_manifest(gathered: Sequence[CommitRecord], backends: CheckpointingConf
     )
 
 
-def _check_claim(storage: CheckpointStorage, claimed: WriteResult | None) -> None:
-    if claimed is None:
-        return
+def _claim_state(storage: CheckpointStorage, claimed: WriteResult) -> str:
+    """``"ours"``, ``"gone"`` (removed: a removal deletes it before its tombstone) or
+    ``"replaced"`` (another job's claim)."""
     try:
         current = storage.read(CLAIM_FNAME)
     except CheckpointNotFoundError:
-        current = b""
-    if crc32c(current) != claimed.crc32c or len(current) != claimed.size:
-        raise CommitConflictError(
-            f"checkpoint {storage.uri!r}: this save's {CLAIM_FNAME} was removed or replaced "
-            "while it wrote (by `cloudckpt gc` or another job); not committing"
-        )
+        return "gone"
+    if crc32c(current) == claimed.crc32c and len(current) == claimed.size:
+        return "ours"
+    return "replaced"
 
 
 def _write_commit(
-    storage: CheckpointStorage, manifest: Manifest, backends: CheckpointingConfig
-) -> Manifest:
+    storage: CheckpointStorage,
+    manifest: Manifest,
+    backends: CheckpointingConfig,
+    claimed: WriteResult | None,
+) -> None:
+    """Create ``manifest.json``, check the claim, write ``metadata.json``, check the
+    manifest is still there (a removal of a committed checkpoint replaces it)."""
+    uri = storage.uri
     try:
         storage.write(MANIFEST_FNAME, manifest.to_json(), exclusive=True)
     except ObjectExistsError as exc:
+        removal = read_tombstone(storage)
+        if removal is not None:
+            raise CheckpointRemovedError(
+                f"checkpoint {uri!r} was removed while this save wrote it (a removal took "
+                f"{MANIFEST_FNAME} first: {removal.describe()}); not committed, and this "
+                "save's objects are deleted"
+            ) from exc
         raise CommitConflictError(
-            f"checkpoint {storage.uri!r} was committed by another job ({MANIFEST_FNAME} "
+            f"checkpoint {uri!r} was committed by another job ({MANIFEST_FNAME} "
             "exists); this job's commit is refused"
         ) from exc
+    claim_state = "ours" if claimed is None else _claim_state(storage, claimed)
+    if claim_state != "ours":
+        if read_tombstone(storage) is None:  # still this save's manifest: take it back
+            storage.delete(MANIFEST_FNAME)
+        if claim_state == "gone":
+            raise CheckpointRemovedError(
+                f"checkpoint {uri!r}: this save's {CLAIM_FNAME} was removed while it wrote "
+                "(by `cloudckpt gc` or `cloudckpt rm`); not committed, and this save's "
+                "objects are deleted"
+            )
+        raise CommitConflictError(
+            f"checkpoint {uri!r}: this save's {CLAIM_FNAME} was replaced while it wrote "
+            f"(another job claimed the URI: {describe_claim(storage)}); not committing"
+        )
     save_config(backends, storage)
+    if not _holds_manifest(storage):  # a removal took the committed checkpoint meanwhile
+        storage.delete(CONFIG_FNAME)
+        raise CheckpointRemovedError(
+            f"checkpoint {uri!r} was removed while it was being committed (its "
+            f"{MANIFEST_FNAME} was replaced by a removal's); not committed"
+        )
     logger.info(
         "committed %s: %d objects, %.1f MB from %d ranks",
-        storage.uri,
+        uri,
         len(manifest.objects),
         manifest.total_size / 1e6,
         manifest.world_size,
     )
-    return manifest
+
+
+def read_tombstone(storage: CheckpointStorage) -> Tombstone | None:
+    """The removal's tombstone in ``manifest.json``'s slot, or None (a manifest there,
+    or nothing). Reads the object's first bytes only."""
+    head = _manifest_head(storage)
+    return (
+        Tombstone.from_json(storage.read(MANIFEST_FNAME)) if head and is_tombstone(head) else None
+    )
+
+
+def _holds_manifest(storage: CheckpointStorage) -> bool:
+    """Whether ``manifest.json`` exists and is a manifest, not a tombstone."""
+    head = _manifest_head(storage)
+    return head is not None and not is_tombstone(head)
+
+
+def _manifest_head(storage: CheckpointStorage) -> bytes | None:
+    try:
+        return storage.read(MANIFEST_FNAME, 0, PEEK_BYTES)
+    except CheckpointNotFoundError:
+        return None
+
+
+def withdraw(storage: CheckpointStorage, manifest: Manifest) -> None:
+    """Delete what a save that lost to a removal wrote (the objects of its records,
+    written before or while the removal ran; the claim is the removal's to delete) and
+    abort the uploads open under the checkpoint. Failures are logged: the removal, or
+    the next ``cloudckpt gc``, finishes the job."""
+    paths = [e.path for e in manifest.objects if e.path != CLAIM_FNAME]
+    try:
+        storage.map(storage.delete, paths)
+        abort_open_uploads(storage, "of a save that lost to a removal")
+    except CheckpointingException as exc:
+        logger.warning("%s: could not delete all of this save's objects: %s", storage.uri, exc)
+        return
+    logger.warning(
+        "%s was removed while this save wrote it: deleted its %d objects", storage.uri, len(paths)
+    )
+
+
+def abort_open_uploads(storage: CheckpointStorage, why: str) -> int:
+    """Abort every multipart upload open under the checkpoint (S3; other stores have
+    none); failures are logged, not raised. Returns how many were aborted."""
+    try:
+        uploads = storage.open_uploads()
+        for upload in uploads:
+            storage.abort_upload(upload)
+    except CheckpointingException as exc:
+        logger.warning(
+            "%s: could not abort the multipart uploads open under it (`cloudckpt gc` "
+            "aborts them): %s",
+            storage.uri,
+            exc,
+        )
+        return 0
+    if uploads:
+        logger.info("%s: aborted %d multipart uploads %s", storage.uri, len(uploads), why)
+    return len(uploads)
 
 
 def _claim_document() -> bytes:

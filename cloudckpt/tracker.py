@@ -18,20 +18,20 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from cloudckpt.commit import no_checkpoint_error, read_commit_state, release_claim, uncommit
+from cloudckpt.commit import read_commit_state
 from cloudckpt.config import CheckpointConfig
-from cloudckpt.core import CONFIG_FNAME
-from cloudckpt.errors import CheckpointNotFoundError
+from cloudckpt.errors import CheckpointNotFoundError, CommitConflictError
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestError
 from cloudckpt.redact import redact_uri
+from cloudckpt.removal import remove
 from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
+from cloudckpt.tombstone import Tombstone
 
 __all__ = [
     "CheckpointInfo",
@@ -49,7 +49,8 @@ ProgressFn = Callable[[int], None]
 
 REASON_UNCOMMITTED = "uncommitted"
 REASON_STALE_UPLOAD = "stale multipart upload"
-COMMIT_FILES = (CONFIG_FNAME, MANIFEST_FNAME, CLAIM_FNAME)
+REASON_COMMITTED_UPLOAD = "multipart upload under a committed checkpoint"
+REASON_COMMITTED_MEANWHILE = "committed while gc ran"
 _TRAILING_INT = re.compile(r"(\d+)$")
 
 
@@ -66,6 +67,8 @@ class CheckpointInfo:
         size: bytes of the objects the manifest lists (None without a manifest).
         created: the manifest's commit time, ISO 8601 UTC ("" without one).
         world_size: ranks of the job that wrote it, per the manifest (None without one).
+        removing: a removal (``gc``, ``rm``) took it and has not finished (a tombstone
+            holds ``manifest.json``'s slot; see :mod:`cloudckpt.removal`).
     """
 
     uri: str
@@ -76,6 +79,7 @@ class CheckpointInfo:
     size: int | None
     created: str
     world_size: int | None
+    removing: bool = False
 
 
 def _child_uri(parent_uri: str, name: str) -> str:
@@ -97,12 +101,13 @@ def _read_info(parent: CheckpointStorage, parent_uri: str, name: str) -> Checkpo
     state = read_commit_state(child)
     if not (state.metadata or state.manifest or state.claim):
         return None
-    manifest = None
+    manifest, removing = None, False
     if state.manifest:
         try:
-            manifest = Manifest.from_json(
-                child.read(MANIFEST_FNAME), child.child_uri(MANIFEST_FNAME)
-            )
+            raw = child.read(MANIFEST_FNAME)
+            removing = Tombstone.from_json(raw) is not None
+            if not removing:
+                manifest = Manifest.from_json(raw, child.child_uri(MANIFEST_FNAME))
         except (ManifestError, CheckpointNotFoundError) as exc:
             logger.warning("%s: %s", child.uri, exc)
     return CheckpointInfo(
@@ -114,6 +119,7 @@ def _read_info(parent: CheckpointStorage, parent_uri: str, name: str) -> Checkpo
         size=manifest.total_size if manifest is not None else None,
         created=manifest.created if manifest is not None else "",
         world_size=manifest.world_size if manifest is not None else None,
+        removing=removing,
     )
 
 
@@ -189,75 +195,25 @@ def remove_checkpoint(
 ) -> int:
     """Delete a checkpoint and abort the multipart uploads open under it; -> objects deleted.
 
-    ``metadata.json`` goes first and ``manifest.json`` second, so a removal cut short
-    leaves a visibly uncommitted checkpoint (``load`` refuses it); the claim goes last,
-    so the remains are still listed as a checkpoint and a second call (or
-    :func:`collect_garbage`) finishes the job. ``progress(1)`` follows each delete.
+    The removal first takes ``manifest.json``'s slot with a create-only tombstone, so a
+    save still writing the checkpoint can no longer commit it (it raises
+    :class:`~cloudckpt.errors.CheckpointRemovedError` and deletes what it wrote); then
+    ``metadata.json`` goes, so a removal cut short leaves a visibly uncommitted checkpoint
+    (``load`` refuses it), then the data, what a losing save wrote meanwhile, the claim and
+    the tombstone last, so the remains of a removal cut short are still listed as a
+    checkpoint and a second call (or :func:`collect_garbage`) finishes the job
+    (:mod:`cloudckpt.removal`). ``progress(1)`` follows each delete.
 
     Raises:
         CheckpointNotFoundError: no checkpoint at ``uri``: nothing is stored there, or
             objects but no ``metadata.json``, ``manifest.json`` or claim (a parent
             prefix?); nothing is deleted.
+        CommitConflictError: it was uncommitted when the removal began, and its save
+            committed before the tombstone was written: it is kept, nothing is deleted.
         StorageError: a delete failed (naming the object).
     """
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
-    return _remove(storage, uri, progress)
-
-
-def _remove(storage: CheckpointStorage, raw_uri: str, progress: ProgressFn | None) -> int:
-    listing = storage.list()
-    if not any(name in listing for name in COMMIT_FILES):  # nothing removed
-        raise no_checkpoint_error(storage.uri, len(listing))
-    uploads = storage.open_uploads()
-    counter = _Counter(progress)
-    for _ in uncommit(storage, listing):  # metadata.json first: no longer loadable
-        counter.add()
-    for upload in uploads:
-        storage.abort_upload(upload)
-    data = [path for path in listing if path not in COMMIT_FILES]
-
-    def delete(path: str) -> None:
-        storage.delete(path)
-        counter.add()
-
-    storage.map(delete, data)
-    for _ in release_claim(storage, listing):  # last: until now no other job may write here
-        counter.add()
-    _remove_empty_prefix(storage, raw_uri)
-    logger.info(
-        "removed %s: %d objects deleted, %d multipart uploads aborted",
-        storage.uri,
-        counter.count,
-        len(uploads),
-    )
-    return counter.count
-
-
-class _Counter:
-    """Counts deletions and reports each to ``progress`` (thread-safe)."""
-
-    def __init__(self, progress: ProgressFn | None) -> None:
-        self.count = 0
-        self._progress = progress
-        self._lock = threading.Lock()
-
-    def add(self) -> None:
-        with self._lock:
-            self.count += 1
-            if self._progress is not None:
-                self._progress(1)
-
-
-def _remove_empty_prefix(storage: CheckpointStorage, raw_uri: str) -> None:
-    """Remove the directories a local (or memory://) checkpoint leaves once its objects
-    are gone; object stores have none. Only when no object remains below the prefix."""
-    parent_uri, _, name = raw_uri.rstrip("/").rpartition("/")
-    if not parent_uri or not name or parent_uri.endswith(":/"):
-        return
-    parent = open_checkpoint(parent_uri, fs=storage.fs, config=storage.config)
-    if parent.full_path(name) != storage.root or parent.list(name):
-        return
-    parent.delete(name, recursive=True)
+    return remove(storage, uri, progress=progress).deleted
 
 
 # -- garbage collection -------------------------------------------------------------------
@@ -338,20 +294,44 @@ def collect_garbage(
         raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
     parent = open_checkpoint(parent_uri, storage_options=storage_options, config=config)
     plan = _plan(parent, parent_uri, keep_last, grace_s, time.time())
-    if not dry_run:
-        for _, info in plan.removals:
-            _remove(_child(parent, parent_uri, info.name), info.uri, progress)
-        for _, upload in plan.aborts:
-            parent.abort_upload(upload)
-    actions = tuple(a for a, _ in plan.removals) + tuple(a for a, _ in plan.aborts)
+    removed, kept_late = (
+        _carry_out(parent, parent_uri, plan, progress) if not dry_run else (plan.removals, [])
+    )
+    actions = tuple(a for a, _ in removed) + tuple(a for a, _ in plan.aborts)
+    kept = plan.kept + tuple(a.uri for a in kept_late)
     logger.info(
         "gc of %s%s: kept %d checkpoints, %d actions",
         parent.uri,
         " (dry run)" if dry_run else "",
-        len(plan.kept),
+        len(kept),
         len(actions),
     )
-    return GcReport(parent_uri, dry_run, plan.kept, actions, plan.kept_why)
+    return GcReport(parent_uri, dry_run, kept, actions, plan.kept_why + tuple(kept_late))
+
+
+def _carry_out(
+    parent: CheckpointStorage, parent_uri: str, plan: _Plan, progress: ProgressFn | None
+) -> tuple[list[tuple[GcAction, CheckpointInfo]], list[GcAction]]:
+    """Remove and abort what ``plan`` says; -> (the removals made, the checkpoints kept
+    because their save committed while gc ran)."""
+    removed, kept = [], []
+    for action, info in plan.removals:
+        child = _child(parent, parent_uri, info.name)
+        try:  # a commit won before the tombstone: kept (see cloudckpt.removal)
+            remove(child, info.uri, committed=_commit_decided(info), progress=progress)
+        except CommitConflictError as exc:
+            kept.append(GcAction(info.uri, REASON_COMMITTED_MEANWHILE, str(exc)))
+            continue
+        removed.append((action, info))
+    for _, upload in plan.aborts:
+        parent.abort_upload(upload)
+    return removed, kept
+
+
+def _commit_decided(info: CheckpointInfo) -> bool:
+    """Whether the listing showed the commit decided: ``metadata.json``, or a readable
+    manifest (its save won the create-only write of ``manifest.json``)."""
+    return info.committed or info.size is not None
 
 
 def _plan(
@@ -376,24 +356,30 @@ def _plan(
             continue
         age = now - _last_activity(parent, parent_uri, info, uploads)
         under = _uploads_under(info.name, uploads)
-        if _within_grace(age, grace_s):
+        spared_for = _grace_of(info, grace_s, parent.config)
+        if _within_grace(age, spared_for):
             young.add(info.name)
             why[info.name] = GcAction(
                 info.uri,
-                f"uncommitted, younger than the grace period {grace}",
+                f"uncommitted, younger than the grace period {_format_grace(spared_for)}",
                 f"{_describe(info)}; {under}; last activity {_format_age(age)} ago; its save may "
-                "still be running; `cloudckpt gc --grace 0` or `cloudckpt rm` removes it now",
+                f"still be running; {_remove_now_hint(spared_for > grace_s)}",
             )
             continue
         detail = f"{_describe(info)}; {under}; last activity {_format_age(age)} ago"
         removals.append((GcAction(info.uri, REASON_UNCOMMITTED, detail), info))
-    # uploads of removed checkpoints go with them; a young checkpoint's are its save's
+    # uploads of removed checkpoints go with them; a young checkpoint's are its save's;
+    # under a committed checkpoint no save can be writing, so its open ones go now
     spared = young | {info.name for _, info in removals}
+    committed = {info.name for info in infos if info.committed}
     aborts, kept_uploads = [], []
     for upload in uploads:
-        if upload.path.split("/", 1)[0] in spared:
+        name = upload.path.split("/", 1)[0]
+        if name in spared:
             continue
-        if _within_grace(now - _timestamp(upload.initiated), grace_s):
+        if name in committed:
+            aborts.append((_abort_action(parent_uri, upload, now, REASON_COMMITTED_UPLOAD), upload))
+        elif _within_grace(now - _timestamp(upload.initiated), grace_s):
             kept_uploads.append(_young_upload(parent_uri, upload, now, grace))
         else:
             aborts.append((_abort_action(parent_uri, upload, now), upload))
@@ -401,6 +387,24 @@ def _plan(
     kept = tuple(i.uri for i in infos if i.name in keep)
     kept_why = tuple(why[i.name] for i in infos if i.name in why) + tuple(kept_uploads)
     return _Plan(kept, tuple(removals), tuple(aborts), kept_why)
+
+
+def _remove_now_hint(manifest_won: bool) -> str:
+    if manifest_won:
+        return (
+            "its manifest is written (the commit's last step is due); `cloudckpt rm` removes it now"
+        )
+    return "`cloudckpt gc --grace 0` or `cloudckpt rm` removes it now"
+
+
+def _grace_of(info: CheckpointInfo, grace_s: float, config: CheckpointConfig) -> float:
+    """How long an uncommitted checkpoint is spared after its last activity: the grace
+    period; for one whose manifest exists (its save won the commit and writes
+    ``metadata.json`` next, or failed to), at least three request deadlines of the
+    retry policy, ``--grace 0`` included: the save's last requests end within them."""
+    if info.size is None or info.removing:
+        return grace_s
+    return max(grace_s, 3 * config.retry.request_timeout_s)
 
 
 def _within_grace(age: float, grace_s: float) -> bool:
@@ -433,11 +437,13 @@ def _describe(info: CheckpointInfo) -> str:
     return ", ".join(parts) or info.name
 
 
-def _abort_action(parent_uri: str, upload: OpenUpload, now: float) -> GcAction:
+def _abort_action(
+    parent_uri: str, upload: OpenUpload, now: float, reason: str = REASON_STALE_UPLOAD
+) -> GcAction:
     started = upload.initiated or "at an unknown time"
     age = now - _timestamp(upload.initiated)
     detail = f"upload {upload.upload_id} started {started} ({_format_age(age)} ago)"
-    return GcAction(_child_uri(parent_uri, upload.path), REASON_STALE_UPLOAD, detail)
+    return GcAction(_child_uri(parent_uri, upload.path), reason, detail)
 
 
 def _last_activity(

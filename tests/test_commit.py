@@ -15,6 +15,7 @@ from cloudckpt import commit as commit_mod
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.errors import (
     CheckpointingException,
+    CheckpointRemovedError,
     CommitConflictError,
     CorruptObjectError,
     ObjectExistsError,
@@ -242,8 +243,10 @@ def test_save_writes_claim_manifest_and_metadata_last(
     assert puts[0] == CLAIM_FNAME
     assert puts[-2:] == [MANIFEST_FNAME, "metadata.json"]
     # the manifest comes from the ranks' write results: no data object is read back,
-    # only the small claim (to check that it is still this save's)
-    assert [c for c in calls if c.startswith("GetObject")] == [f"GetObject {CLAIM_FNAME}"]
+    # only the small claim (to check that it is still this save's) and, after
+    # metadata.json, the first bytes of the manifest (that no removal replaced it)
+    gets = [c for c in calls if c.startswith("GetObject")]
+    assert gets == [f"GetObject {CLAIM_FNAME}", f"GetObject {MANIFEST_FNAME}"]
     manifest = commit_mod.read_manifest(storage)
     assert manifest is not None
     listed = storage.list_sizes()
@@ -454,9 +457,11 @@ def test_commit_refuses_when_the_claim_was_replaced(tmp_path) -> None:
     assert claimed is not None
     storage.delete(CLAIM_FNAME)
     storage.write(CLAIM_FNAME, b'{"job": "someone else"}')
-    with pytest.raises(CommitConflictError, match="removed or replaced"):
+    with pytest.raises(CommitConflictError, match="was replaced while it wrote") as info:
         commit_mod.commit(storage, [claimed], CheckpointingConfig("zarr"), claimed=claimed)
+    assert not isinstance(info.value, CheckpointRemovedError)  # the other job's objects stay
     assert not storage.exists(MANIFEST_FNAME) and not storage.exists("metadata.json")
+    assert storage.exists(CLAIM_FNAME)
 
 
 def test_a_failure_before_the_first_collective_reaches_every_rank(rank_pool, tmp_path) -> None:

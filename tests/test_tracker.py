@@ -6,7 +6,8 @@ Every run starts from the same layout under ``<parent>``::
 
     iter_0000001/   committed
     iter_0000002/   committed
-    iter_0000003/   uncommitted (its metadata.json deleted: a save that did not finish)
+    iter_0000003/   uncommitted (its metadata.json and manifest.json deleted: a save that
+                    failed before its commit)
     tensorboard/    not a checkpoint
 """
 
@@ -71,7 +72,9 @@ def _data_size(uri: str, options: dict[str, Any]) -> int:
 def _populate(parent: str, options: dict[str, Any]) -> StoreLocation:
     for iteration in (1, 2, 3):
         _save(parent, options, iteration)
-    CheckpointStorage(f"{parent}/iter_0000003", storage_options=options).delete("metadata.json")
+    unfinished = CheckpointStorage(f"{parent}/iter_0000003", storage_options=options)
+    unfinished.delete("metadata.json")
+    unfinished.delete("manifest.json")
     CheckpointStorage(parent, storage_options=options).write(STRAY, b"not a checkpoint")
     return parent, options
 
@@ -101,11 +104,12 @@ def test_list_checkpoints_and_latest(run: StoreLocation) -> None:
         ("iter_0000002", 2, True),
         ("iter_0000003", 3, False),
     ]
-    for info in infos:
+    for info in infos[:2]:
         assert info.uri == f"{parent}/{info.name}"
         assert info.size == _data_size(info.uri, options) > 64 * 32 * 4
         assert info.world_size == 1 and not info.foreign
         assert info.created.endswith("Z")
+    assert (infos[2].size, infos[2].created, infos[2].world_size) == (None, "", None)
     assert latest(parent, storage_options=options) == f"{parent}/iter_0000002"
     assert latest(f"{parent}/tensorboard", storage_options=options) is None
 
@@ -159,7 +163,9 @@ def test_remove_refuses_a_prefix_that_is_not_a_checkpoint(run: StoreLocation) ->
     assert _objects(parent, options) == everything
 
 
-def test_remove_uncommits_first_on_s3(s3_run: StoreLocation) -> None:
+def test_remove_takes_the_manifest_slot_then_uncommits_first_on_s3(s3_run: StoreLocation) -> None:
+    """The order of a removal's writes: the tombstone over ``manifest.json`` before any
+    delete, ``metadata.json`` first, the claim and then the tombstone last."""
     parent, options = s3_run
     uri = f"{parent}/iter_0000001"
     prefix = uri.split("/", 3)[3] + "/"
@@ -167,13 +173,18 @@ def test_remove_uncommits_first_on_s3(s3_run: StoreLocation) -> None:
 
     removed = remove_checkpoint(uri, storage_options=calls.options(options))
 
-    keys = calls.keys("DeleteObjects") + calls.keys("DeleteObject")
-    # objects below the prefix; a store that keeps "directories" (SeaweedFS) also gets the
-    # emptied prefix itself deleted at the end, which is no object of the checkpoint
-    deleted = [k.removeprefix(prefix) for k in keys if k.startswith(prefix) and k != prefix]
+    writes = [
+        (op, key.removeprefix(prefix))
+        for op, key in calls.calls
+        if op in ("PutObject", "DeleteObject", "DeleteObjects")
+        and key.startswith(prefix)
+        and key != prefix  # SeaweedFS also gets the emptied "directory" deleted
+    ]
+    assert writes[0] == ("PutObject", "manifest.json")  # the tombstone, replacing it
+    deleted = [key for op, key in writes[1:] if op != "PutObject"]
     assert len(deleted) == removed
-    assert deleted[:2] == ["metadata.json", "manifest.json"]
-    assert deleted[-1] == ".cloudckpt-claim.json"
+    assert deleted[0] == "metadata.json"
+    assert deleted[-2:] == [".cloudckpt-claim.json", "manifest.json"]
 
 
 def test_interrupted_removal_leaves_an_uncommitted_checkpoint(s3_run: StoreLocation) -> None:
@@ -188,12 +199,13 @@ def test_interrupted_removal_leaves_an_uncommitted_checkpoint(s3_run: StoreLocat
         remove_checkpoint(uri, storage_options=_failing_delete(options, blocked))
 
     assert storage.exists(blocked) and storage.exists(".cloudckpt-claim.json")
-    assert not storage.exists("metadata.json") and not storage.exists("manifest.json")
+    assert not storage.exists("metadata.json")
+    assert storage.read("manifest.json").startswith(b'{"cloudckpt_removal"')  # the tombstone
     with pytest.raises(UncommittedCheckpointError, match=r"metadata\.json"):
         cloudckpt.load(_state(0), uri, storage_options=options)
     assert latest(parent, storage_options=options) == f"{parent}/iter_0000001"
     info = [i for i in list_checkpoints(parent, storage_options=options) if i.uri == uri]
-    assert len(info) == 1 and not info[0].committed
+    assert len(info) == 1 and not info[0].committed and info[0].removing
     assert remove_checkpoint(uri, storage_options=options) >= 2
     assert _objects(uri, options) == {}
 
@@ -246,16 +258,19 @@ def test_collect_garbage_aborts_stale_uploads(s3_run: StoreLocation, s3_server: 
     bucket, prefix = parent.removeprefix("s3://").split("/", 1)
     for key in ("iter_0000002/w/0.1", "tensorboard/big.bin", "iter_0000003/w/0.1"):
         client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{key}")
-    stale_uploads = [
-        (f"{parent}/iter_0000002/w/0.1", "stale multipart upload"),
-        (f"{parent}/tensorboard/big.bin", "stale multipart upload"),
-    ]
+    # under a committed checkpoint no save can be writing: aborted whatever its age
+    committed_upload = (
+        f"{parent}/iter_0000002/w/0.1",
+        "multipart upload under a committed checkpoint",
+    )
+    stale_uploads = [committed_upload, (f"{parent}/tensorboard/big.bin", "stale multipart upload")]
 
     # MinIO and S3 list an upload's real start; moto lists 2010-11-10 for every upload.
     # The young uncommitted checkpoint's upload is its save's: spared either way.
     patient = collect_garbage(parent, 2, grace_s=1e6, dry_run=True, storage_options=options)
     real_dates = all(time.time() - u[1].timestamp() < 3600 for u in _uploads(client, bucket))
-    assert [(a.uri, a.reason) for a in patient.actions] == ([] if real_dates else stale_uploads)
+    expected_patient = [committed_upload] if real_dates else stale_uploads
+    assert [(a.uri, a.reason) for a in patient.actions] == expected_patient
 
     dry = collect_garbage(parent, 2, grace_s=0, dry_run=True, storage_options=options)
     expected = [(f"{parent}/iter_0000003", "uncommitted"), *stale_uploads]
