@@ -139,6 +139,11 @@ class CommitConflictError(CheckpointingException, FileExistsError):
     """Another job claimed or committed the same checkpoint URI."""
 
 
+class CheckpointRemovedError(CommitConflictError):
+    """A removal (``cloudckpt gc``, ``cloudckpt rm``) took the checkpoint while its save
+    was writing it: nothing was committed, and the save deleted what it wrote."""
+
+
 class CorruptObjectError(StorageError):
     """An object's size or CRC-32C differs from what the manifest recorded."""
 
