@@ -291,6 +291,7 @@ def raise_reported(
     kind = _common_kind([rep.error for rep in failed.values()])
     raised = kind(message, {r: rep.summary for r, rep in failed.items()})
     raised.errors = {r: rep.error for r, rep in failed.items() if rep.error is not None}
+    _keep_errno(raised, [rep.error for rep in failed.values()])
     raise raised from error
 
 
@@ -342,6 +343,7 @@ def run_on_coordinator(fn: Callable[[], _T], what: str, src: int = 0, group: Any
     kind = _common_kind([payload.error])
     raised = kind(f"{what} failed on rank {src}: {payload.summary}", {src: payload.summary})
     raised.errors = {src: payload.error} if payload.error is not None else {}
+    _keep_errno(raised, [payload.error])
     raise raised from error
 
 
@@ -388,6 +390,15 @@ def _common_kind(errors: list[BaseException | None]) -> type[DistributedCheckpoi
     if not issubclass(kind, CheckpointingException) or issubclass(kind, DistributedCheckpointError):
         return DistributedCheckpointError
     return distributed_variant(kind)
+
+
+def _keep_errno(raised: DistributedCheckpointError, errors: list[BaseException | None]) -> None:
+    """An ``OSError`` kind raised on every rank (a ``StorageError``) gets the errno its
+    failed ranks' errors share (``ENOSPC`` on each rank that filled its disk)."""
+    numbers = {getattr(e, "errno", None) for e in errors}
+    number = numbers.pop() if len(numbers) == 1 else None
+    if isinstance(raised, OSError) and isinstance(number, int):
+        raised.errno = number
 
 
 Transfer = tuple[int, int, torch.Tensor]  # (peer rank, tag, tensor)
