@@ -180,7 +180,7 @@ class StreamedObject:
                 replayed = templates.write(host, self.stream)
                 if replayed is None:
                     headers = _ItemHeaders(self.stream)
-                    torch.save(host, cast(IO[bytes], headers))  # it only writes
+                    headers.save(host)
                     record = storage_record_from(headers.bytes_at, headers.size)
                     templates.learn(host, record, headers.size, headers.bytes_at)
                 else:
@@ -212,7 +212,13 @@ class StreamedObject:
 class _ItemHeaders(io.RawIOBase):
     """Passes one ``torch.save`` item on to a stream, keeping a copy of its small
     writes (the zip headers and directory, and small tensors' bytes) by offset within
-    the item: what :func:`~cloudckpt.strategies._torch_zip.find_storage` reads."""
+    the item: what :func:`~cloudckpt.strategies._torch_zip.find_storage` reads.
+
+    The stream's first error is kept and raised by :meth:`save`: ``torch.save``'s zip
+    writer does not pass on an exception of its write callback, it fails later with an
+    error of its own (``[enforce fail at inline_container.cc:672] . unexpected pos 704
+    vs 598``: a full disk under torch_dist), which names neither the cause nor the
+    object."""
 
     def __init__(self, sink: ObjectStream | UploadStream) -> None:
         super().__init__()
@@ -220,6 +226,18 @@ class _ItemHeaders(io.RawIOBase):
         self.size = 0
         self._runs: list[tuple[int, bytearray]] = []  # (offset, consecutive small writes)
         self._open = False  # whether the last run is still growing
+        self._failure: Exception | None = None
+
+    def save(self, tensor: torch.Tensor) -> None:
+        """``torch.save(tensor)`` into the stream; the stream's first error (a
+        ``StorageError`` naming the object) is raised in place of torch's."""
+        try:
+            torch.save(tensor, cast(IO[bytes], self))  # it only writes
+        except Exception:
+            if self._failure is None:
+                raise
+        if self._failure is not None:
+            raise self._failure from self._failure.__cause__
 
     def writable(self) -> bool:
         return True
@@ -237,7 +255,13 @@ class _ItemHeaders(io.RawIOBase):
             self._runs[-1][1].extend(view)
         else:
             self._open = False
-        self._sink.write(view)
+        if self._failure is not None:  # torch writes on after an error it ignored
+            raise self._failure
+        try:
+            self._sink.write(view)
+        except Exception as exc:
+            self._failure = exc
+            raise
         self.size += nbytes
         return nbytes
 
