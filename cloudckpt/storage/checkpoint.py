@@ -314,8 +314,19 @@ class CheckpointStorage(StorageReads, StorageAdmin):
             self.transport.put(path, item.view, item.crc)
         except io_errors() as exc:
             message = f"failed to write {self.child_uri(item.relpath)}: {exc}"
+            if self.transport.writes_in_place:  # a partial file (a full disk: ENOSPC)
+                self._remove_partial(path)  # is not left to fill it, as a stream's
             raise translate(exc, message) from exc
         progress.add(item.view.nbytes)
+
+    def _remove_partial(self, path: str) -> None:
+        """Remove what a failed whole-object write left in place (errors logged)."""
+        try:
+            self.transport.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("could not remove the unfinished %s: %s", path, exc)
 
     def _settle(self, pending: builtins.list[PendingWrite], cancel: threading.Event) -> None:
         """Wait for every request; complete multipart uploads or abort the failed ones."""
