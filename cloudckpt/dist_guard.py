@@ -130,10 +130,16 @@ def current_bounds() -> Bounds:
 @contextmanager
 def bounded(config: Any) -> Iterator[None]:
     """Within the block, cloudckpt's collectives use the timeouts of ``config`` (a
-    :class:`~cloudckpt.config.CheckpointConfig` or None: the environment's). With a
-    process group, this rank's heartbeat runs from here on."""
-    bounds = Bounds.resolve(
-        getattr(config, "collective_timeout_s", None), getattr(config, "heartbeat_timeout_s", None)
+    :class:`~cloudckpt.config.CheckpointConfig`, :class:`Bounds` - an async request's,
+    captured where it was made - or None: the environment's). With a process group,
+    this rank's heartbeat runs from here on."""
+    bounds = (
+        config
+        if isinstance(config, Bounds)
+        else Bounds.resolve(
+            getattr(config, "collective_timeout_s", None),
+            getattr(config, "heartbeat_timeout_s", None),
+        )
     )
     if torch_dist.is_available() and torch_dist.is_initialized():
         guard = _guard(None)  # beat from the start of a save or load, before its first I/O

@@ -170,7 +170,11 @@ class _SingleCallCaller(AsyncCaller):
         if call is not None and blocking:
             call.wait()
         alive = int(call is not None and not call.is_done())
-        done = not alive if no_dist else self.sync_all_async_calls(alive)
+        if no_dist:
+            done = not alive
+        else:  # within the call's bounds (see async_utils' docstring), else the defaults
+            with dist.bounded(call.request.bounds if call is not None else None):
+                done = self.sync_all_async_calls(alive)
         if done and call is not None:
             self._current.popleft()
             if call.error is not None:

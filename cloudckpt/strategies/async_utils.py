@@ -23,6 +23,16 @@ Preloading
     second positional argument of ``async_fn`` (Megatron-Core's convention: the
     staged write buckets of :class:`~cloudckpt.strategies.filesystem_async.FileSystemWriterAsync`).
 
+Bounds
+    A request carries the collective bounds in force when it was made
+    (:attr:`AsyncRequest.bounds`: inside ``save``, those of the save's config:
+    ``collective_timeout_s``, ``heartbeat_timeout_s``), and every collective made for it
+    afterwards runs within them: the queue's agreement on it, its finalize functions
+    (the commit), :meth:`AsyncRequest.execute_sync`, the callers' checks. A rank lost
+    during the upload is then named within the save's ``heartbeat_timeout_s`` (was: the
+    default 15 s, since the queue ran outside the save's ``dist.bounded`` block). The
+    async function itself runs no collective (see below) and needs none.
+
 Threading contract
     Every method of :class:`AsyncCallsQueue` must be called from one thread, the
     training (main) thread; the queue takes no locks. The async function runs in a
@@ -45,6 +55,7 @@ from types import TracebackType
 from typing import Any, ClassVar, Self
 
 from cloudckpt import dist
+from cloudckpt.dist_guard import Bounds, current_bounds
 from cloudckpt.errors import (
     CheckpointingException,
     DistributedCheckpointError,
@@ -107,9 +118,13 @@ class AsyncRequest:
             result replaces ``async_fn_args[1]`` (see the module docstring).
         is_frozen: once True, no finalize function can be added.
         call_idx: the index the queue gave the request when scheduling it.
+        bounds: the bounds of the collectives made for the request after it was
+            made (see the module docstring); by default those in force where it is
+            made (:func:`~cloudckpt.dist_guard.current_bounds`: a ``save``'s config).
 
     The field order is Megatron-Core's (its AsyncRequest is a NamedTuple), and
-    ``_replace``, ``_asdict`` and ``_fields`` work as on it.
+    ``_replace``, ``_asdict`` and ``_fields`` work as on it (``bounds``, cloudckpt's
+    own, comes last and is not among ``_fields``; ``_replace`` keeps it).
     """
 
     async_fn: Callable[..., Any] | None
@@ -119,6 +134,7 @@ class AsyncRequest:
     preload_fn: Callable[[], Any] | None = None
     is_frozen: bool = False
     call_idx: int = 0
+    bounds: Bounds = field(default_factory=current_bounds)
 
     _fields: ClassVar[tuple[str, ...]] = (
         "async_fn",
@@ -202,11 +218,12 @@ class AsyncRequest:
             Exception: in a world of one rank, the error ``async_fn`` raised, as is;
                 an error raised by a finalize function, as is.
         """
-        with dist.agree("synchronous execution of an async request"):
-            if self.async_fn is not None:
-                self.async_fn(*self.resolved_args(), **self.async_fn_kwargs)
-        for fn in self.finalize_fns:
-            fn()
+        with dist.bounded(self.bounds):
+            with dist.agree("synchronous execution of an async request"):
+                if self.async_fn is not None:
+                    self.async_fn(*self.resolved_args(), **self.async_fn_kwargs)
+            for fn in self.finalize_fns:
+                fn()
 
 
 def _as_sequence(fns: Sequence[FinalizeFn] | FinalizeFn) -> Sequence[FinalizeFn]:
@@ -286,10 +303,13 @@ class AsyncCallsQueue:
         Raises:
             CheckpointingException: the async function of the next call failed (on
                 this rank; chained to its error) or a finalize function raised; the
-                message names the call index. The failed call is dropped; calls
-                scheduled after it stay queued. With a process group (and
+                message names the call index (cloudckpt's own errors, such as a
+                ``StorageError`` of the upload, are raised as they are). The failed call is dropped;
+                calls scheduled after it stay queued. With a process group (and
                 ``no_dist=False``) the error is a :class:`DistributedCheckpointError`
                 raised on every rank, naming the ranks that failed.
+            CollectiveError: a rank was lost or stayed away, named within the
+                request's bounds (``RankLostError`` / ``CollectiveTimeoutError``).
         """
         if not self._calls:
             return []
@@ -297,15 +317,19 @@ class AsyncCallsQueue:
             for call in self._calls:
                 call.wait()
         agree = dist.is_distributed() and not no_dist
-        n_done = self._agree(self._count_done(), agree)
-        n_ok = self._agree(self._count_succeeded(n_done), agree)
+        with dist.bounded(self._calls[0].request.bounds):  # the next call's, on every rank
+            n_done = self._agree(self._count_done(), agree)
+            n_ok = self._agree(self._count_succeeded(n_done), agree)
         finalized: list[int] = []
         for _ in range(n_ok):
             call = self._calls.popleft()
-            self._finalize(call)
+            with dist.bounded(call.request.bounds):
+                self._finalize(call)
             finalized.append(call.idx)
         if n_ok < n_done:
-            self._raise_failure(self._calls.popleft(), agree)
+            call = self._calls.popleft()
+            with dist.bounded(call.request.bounds):
+                self._raise_failure(call, agree)
         return finalized
 
     def get_num_unfinalized_calls(self) -> int:
@@ -377,9 +401,15 @@ class AsyncCallsQueue:
 
     @staticmethod
     def _finalize(call: _ScheduledCall) -> None:
+        """Run the call's finalize functions. cloudckpt's own errors propagate as they
+        are (a ``RankLostError`` or ``CommitConflictError`` of the commit keeps its kind
+        and already names the checkpoint and the ranks); any other error becomes a
+        ``CheckpointingException`` naming the call."""
         for fn in call.request.finalize_fns:
             try:
                 fn()
+            except CheckpointingException:
+                raise
             except Exception as exc:
                 raise CheckpointingException(
                     f"finalization of async checkpoint call {call.idx} failed: "
@@ -399,6 +429,8 @@ class AsyncCallsQueue:
             dist.raise_if_any_rank_failed(call.error, what)
             raise DistributedCheckpointError(f"{what} failed on another rank")
         error = call.error
+        if isinstance(error, CheckpointingException):  # its kind kept: a StorageError
+            raise error  # (ENOSPC) stays one; it names the checkpoint and the rank
         raise CheckpointingException(f"{what} failed: {type(error).__name__}: {error}") from error
 
 
