@@ -45,14 +45,32 @@ class CheckpointingConfig:
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> CheckpointingConfig:
-        """Parse ``metadata.json``; ``where`` names it in errors."""
+        """Parse ``metadata.json``; ``where`` names it in errors. Every field must have
+        its type (backends strings, versions integers): a list or a dict there would
+        otherwise fail later as a raw ``TypeError`` (unhashable, in the strategy
+        registry's lookup)."""
         try:
-            doc = json.loads(raw)
-            return cls(**doc)
+            config = cls(**json.loads(raw))
         except (ValueError, TypeError) as exc:
             raise MalformedCheckpointError(
                 f"{where} is not a valid checkpoint config: {exc}"
             ) from exc
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(config, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise MalformedCheckpointError(
+                    f"{where} is not a valid checkpoint config: field {name!r} is "
+                    f"{value!r} ({type(value).__name__}), not {kind.__name__}"
+                )
+        return config
+
+
+_FIELD_TYPES: dict[str, type] = {
+    "sharded_backend": str,
+    "sharded_backend_version": int,
+    "common_backend": str,
+    "common_backend_version": int,
+}
 
 
 #: Where a checkpoint is: a URI or path (``str`` / ``os.PathLike``), or opened storage.

@@ -155,12 +155,12 @@ class Manifest:
                     f"versions {', '.join(map(str, READABLE_VERSIONS))}"
                 )
             return cls(
-                objects=tuple(_entry_from_doc(e, version) for e in doc["objects"]),
-                tensors=tuple(_tensor_from_doc(t) for t in doc["tensors"]),
-                common_keys=tuple(str(k) for k in doc["common_keys"]),
-                world_size=int(doc["world_size"]),
-                created=str(doc["created"]),
-                backends=dict(doc["backends"]),
+                objects=tuple(_entry_from_doc(e, version) for e in _typed(doc, "objects", list)),
+                tensors=tuple(_tensor_from_doc(t) for t in _typed(doc, "tensors", list)),
+                common_keys=tuple(_strs(_typed(doc, "common_keys", list), "common_keys")),
+                world_size=_typed(doc, "world_size", int),
+                created=_typed(doc, "created", str),
+                backends=dict(_typed(doc, "backends", dict)),
                 version=version,
             )
         except ManifestError:
@@ -198,17 +198,35 @@ def _entries_json(entries: Sequence[ManifestEntry], version: int) -> list[str]:
     ]
 
 
+def _typed(doc: Mapping[str, Any], field: str, kind: type) -> Any:
+    """``doc[field]``, which must be a ``kind`` (an int is no bool)."""
+    value = doc[field]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"field {field!r} is {value!r}, not a {kind.__name__}")
+    return value
+
+
+def _strs(values: list[Any], field: str) -> list[str]:
+    if not all(type(v) is str for v in values):
+        raise ValueError(f"field {field!r} holds something other than strings: {values!r}")
+    return values
+
+
 def _entry_from_doc(doc: list[Any], version: int) -> ManifestEntry:
     """``[path, size, crc]``, or (version 2) with ``block_size`` and the block CRCs."""
     if len(doc) == 3 or (version >= 2 and len(doc) == 5):
-        path, size, crc = str(doc[0]), int(doc[1]), int(doc[2])
+        path, size, crc = doc[0], doc[1], doc[2]
     else:
         raise ValueError(f"object entry {doc!r} has {len(doc)} fields")
+    if type(path) is not str or type(size) is not int or type(crc) is not int:
+        raise ValueError(f"object entry {doc!r}: the path must be a string, size and CRC ints")
     if not 0 <= crc < 2**32 or size < 0:
         raise ValueError(f"object entry {doc!r} has a negative size or a CRC out of range")
     if len(doc) == 3:
         return ManifestEntry(path, size, crc)
-    blocks = BlockCrcs.from_base64(int(doc[3]), str(doc[4]))
+    if type(doc[3]) is not int or type(doc[4]) is not str:
+        raise ValueError(f"object entry {doc!r}: block size and CRCs must be an int and a string")
+    blocks = BlockCrcs.from_base64(doc[3], doc[4])
     if not blocks.covers(size):
         raise ValueError(
             f"object {path!r}: {len(blocks)} block CRCs of {blocks.block_size} bytes do not "
@@ -228,11 +246,17 @@ def _tensor_json(t: TensorEntry) -> str:
 
 def _tensor_from_doc(doc: Mapping[str, Any]) -> TensorEntry:
     chunks = doc.get("chunks")
+    shape = _typed(doc, "shape", list)
+    if not all(type(n) is int for n in shape) or (
+        chunks is not None
+        and (not isinstance(chunks, list) or not all(type(n) is int for n in chunks))
+    ):
+        raise ValueError(f"tensor entry {doc!r}: shape and chunks must be lists of ints")
     return TensorEntry(
-        key=str(doc["key"]),
-        global_shape=tuple(int(n) for n in doc["shape"]),
-        dtype=str(doc["dtype"]),
-        chunks=tuple(int(n) for n in chunks) if chunks is not None else None,
+        key=_typed(doc, "key", str),
+        global_shape=tuple(shape),
+        dtype=_typed(doc, "dtype", str),
+        chunks=tuple(chunks) if chunks is not None else None,
     )
 
 

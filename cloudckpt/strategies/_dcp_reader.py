@@ -34,10 +34,12 @@ from cloudckpt import dist
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointKeyNotFoundError,
+    MalformedCheckpointError,
     TensorMismatchError,
 )
 from cloudckpt.mapping import ShardedObject, ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
+from cloudckpt.strategies._dcp_metadata_check import check_orig_shape, check_tensor, check_top
 from cloudckpt.strategies._dcp_ranges import (
     Box,
     Piece,
@@ -54,6 +56,7 @@ from cloudckpt.strategies._dcp_ranges import (
     relative,
 )
 from cloudckpt.strategies._dcp_storage import (
+    METADATA_FNAME,
     item_request,
     load_object_item,
     load_tensor_item,
@@ -160,6 +163,9 @@ class DcpCheckpoint:
         self.metadata: Metadata = (
             metadata if metadata is not None else read_metadata(storage, weights_only)
         )
+        self._metadata_uri = storage.child_uri(METADATA_FNAME)
+        check_top(self.metadata, self._metadata_uri)  # field types: _dcp_metadata_check
+        self._checked: set[str] = set()  # tensor keys whose entries were checked
         self._record_cache: dict[str, dict[tuple[int, ...], Record]] = {}
         self._chunk_cache: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
         self._request_cache: dict[MetadataIndex, ReadRequest] = {}
@@ -178,6 +184,9 @@ class DcpCheckpoint:
             raise self._missing("tensor(s)", [key])
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointingException(f"{self._where(key)}: stored as bytes, not a tensor")
+        if key not in self._checked:
+            check_tensor(key, md, self._metadata_uri)
+            self._checked.add(key)
         return md
 
     def global_shape(self, key: str) -> tuple[int, ...]:
@@ -188,7 +197,7 @@ class DcpCheckpoint:
     def orig_shape(self, key: str) -> tuple[int, ...] | None:
         extra = getattr(self.metadata, "mcore_data", None) or {}
         shape = extra.get(key, {}).get(ORIG_SHAPE_KEY)
-        return tuple(shape) if shape is not None else None
+        return check_orig_shape(key, shape, self._metadata_uri) if shape is not None else None
 
     def tensor_keys(self) -> list[str]:
         items = self.metadata.state_dict_metadata.items()
@@ -302,7 +311,23 @@ class DcpCheckpoint:
 
     def _plan(self, sh: ShardedTensor, sources: list[_Source]) -> list[_Source]:
         box = needed_box(sh)
-        return [s for s in sources if _overlap(s.box, box) is not None]
+        chosen = [s for s in sources if _overlap(s.box, box) is not None]
+        self._require_covered(sh.key, box, chosen)
+        return chosen
+
+    def _require_covered(self, key: str, box: Box, sources: list[_Source]) -> None:
+        """The stored chunks must hold every element of ``box`` that the stored tensor
+        has: a ``.metadata`` whose chunks leave a gap would load zeros there."""
+        extent = ((0,) * len(box[0]), self.global_shape(key))
+        wanted = intersection(box, extent) if len(extent[1]) == len(box[0]) else None
+        need = math.prod(wanted[1]) if wanted is not None else 0
+        found = (intersection(s.box, box) for s in sources)
+        held = sum(math.prod(f[1]) for f in found if f is not None)
+        if held < need:
+            raise MalformedCheckpointError(
+                f"{self._metadata_uri}: the stored chunks of tensor {key!r} hold {held} of "
+                f"the {need} elements at offsets {box[0]}, sizes {box[1]}"
+            )
 
     def _item_size(self, index: MetadataIndex) -> int:
         request = self._request(index)

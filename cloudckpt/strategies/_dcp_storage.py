@@ -78,6 +78,7 @@ from cloudckpt.strategies._dcp_columns import (
     join_columns,
 )
 from cloudckpt.strategies._dcp_extra import PickledExtra, merge_extras
+from cloudckpt.strategies._dcp_metadata_check import check_storage_info
 from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata, dumps_metadata_columns
 from cloudckpt.strategies._dcp_objects import (
     BufferedObject,
@@ -554,6 +555,7 @@ def item_request(
             f"checkpoint {storage.uri!r}: no stored item for {index.fqn!r} at offset "
             f"{tuple(index.offset) if index.offset is not None else None}"
         )
+    check_storage_info(index.fqn, info, storage.child_uri(METADATA_FNAME))
     if info.transform_descriptors:
         raise CheckpointingException(
             f"checkpoint {storage.uri!r}: item {index.fqn!r} uses DCP stream transforms "
@@ -579,10 +581,16 @@ def load_object_item(
     """Decode a bytes item as Megatron-Core writes it, ``torch.save([data])``: the
     one-element list is unwrapped (a ``BytesIO`` inside is decoded too). Restricted
     unless trusted (:func:`cloudckpt.safe_pickle.load_torch_pickle`); ``where`` and
-    ``what`` name the item in an error."""
-    value = load_torch_pickle(raw, where, what, weights_only)
-    if isinstance(value, io.BytesIO):
-        value = load_torch_pickle(value.getvalue(), where, what, weights_only)
+    ``what`` name the item in an error (:class:`MalformedCheckpointError` for bytes
+    that do not decode: a ``.metadata`` whose item range is wrong, say)."""
+    try:
+        value = load_torch_pickle(raw, where, what, weights_only)
+        if isinstance(value, io.BytesIO):
+            value = load_torch_pickle(value.getvalue(), where, what, weights_only)
+    except CheckpointingException:
+        raise
+    except Exception as exc:  # what a damaged pickle raises is open-ended
+        raise MalformedCheckpointError(f"{where}: cannot decode the {what}: {exc!r}") from exc
     if isinstance(value, list) and value:
         value = value[0]
     return value
