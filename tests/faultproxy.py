@@ -15,6 +15,8 @@ random draw, optionally restricted by method, path, ranged GETs, and a count lim
         proxy.throttle(0.2, retry_after="1")      # 20 % answered 503 SlowDown
         proxy.reset(1.0, methods={"PUT"}, limit=1)  # cut the next upload mid-body
         proxy.delay(5.0)                          # every response 5 s late
+        proxy.hold(20.0, methods={"PUT"}, path_contains="manifest.json")
+        proxy.release()                           # ... held requests go on now
         proxy.truncate(0.5, ranged_only=True)     # half the ranged GETs cut short
         proxy.corrupt(1.0)                        # one byte of every GET body flipped
         proxy.corrupt(1.0, offset=0)              # ... the first one
@@ -63,7 +65,8 @@ class Rule:
     """One kind of fault and the requests it may hit.
 
     Attributes:
-        kind: ``"status"``, ``"reset"``, ``"delay"``, ``"truncate"`` or ``"corrupt"``.
+        kind: ``"status"``, ``"reset"``, ``"delay"``, ``"hold"``, ``"truncate"`` or
+            ``"corrupt"``.
         fraction: probability (0..1) that a matching request gets the fault.
         methods: HTTP methods it applies to (None: all).
         path_contains: only requests whose target contains this (None: all).
@@ -71,7 +74,7 @@ class Rule:
         limit: at most this many faults (None: unbounded).
         status: the error status of ``"status"`` rules.
         retry_after: the ``Retry-After`` header value of ``"status"`` rules (None: none).
-        seconds: the delay of ``"delay"`` rules.
+        seconds: the delay of ``"delay"`` rules, the longest hold of ``"hold"`` ones.
         offset: the byte of the body a ``"corrupt"`` rule flips (None: the middle one;
             past the end: the last one).
     """
@@ -150,6 +153,7 @@ class FaultProxy:
         self._threads: set[threading.Thread] = set()
         self._closed = threading.Event()
         self._killed = threading.Event()
+        self._released = threading.Event()
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self.port = 0
@@ -216,6 +220,7 @@ class FaultProxy:
         with self._lock:
             self._rule = rule
             self._injected = 0
+            self._released.clear()
 
     def clear(self) -> None:
         self.set_rule(None)
@@ -241,6 +246,15 @@ class FaultProxy:
     def delay(self, seconds: float, fraction: float = 1.0, **match: object) -> None:
         """Hold the response ``seconds`` before sending it."""
         self.set_rule(_rule("delay", fraction, match, seconds=seconds))
+
+    def hold(self, seconds: float, fraction: float = 1.0, **match: object) -> None:
+        """Hold the request ``seconds`` before forwarding it (it reaches the server
+        late), or until :meth:`release`; ``stats().faults["hold"]`` counts those held."""
+        self.set_rule(_rule("hold", fraction, match, seconds=seconds))
+
+    def release(self) -> None:
+        """Let the held requests (and the next ones the rule matches) go on now."""
+        self._released.set()
 
     def truncate(self, fraction: float, *, ranged_only: bool = False, **match: object) -> None:
         """Send only the first half of a GET response's body, then close."""
@@ -348,6 +362,10 @@ class FaultProxy:
         if request.expects_continue:  # the body comes after this; the server gets none
             client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.head = _drop_header(request.head, b"expect")
+        if rule is not None and rule.kind == "hold":
+            self._released.wait(rule.seconds)
+            if self._killed.is_set():
+                raise ProxyKilled
         upstream = socket.create_connection(self.upstream, timeout=self.io_timeout_s)
         with self._tracked(upstream):
             upstream.sendall(request.head)
