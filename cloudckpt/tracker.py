@@ -356,14 +356,14 @@ def _plan(
             continue
         age = now - _last_activity(parent, parent_uri, info, uploads)
         under = _uploads_under(info.name, uploads)
-        spared_for = _grace_of(info, grace_s, parent.config)
-        if _within_grace(age, spared_for):
+        commit_due = _commit_due(info, now, parent.config)
+        if commit_due or _within_grace(age, grace_s):
             young.add(info.name)
             why[info.name] = GcAction(
                 info.uri,
-                f"uncommitted, younger than the grace period {_format_grace(spared_for)}",
+                f"uncommitted, younger than the grace period {grace}",
                 f"{_describe(info)}; {under}; last activity {_format_age(age)} ago; its save may "
-                f"still be running; {_remove_now_hint(spared_for > grace_s)}",
+                f"still be running; {_remove_now_hint(commit_due)}",
             )
             continue
         detail = f"{_describe(info)}; {under}; last activity {_format_age(age)} ago"
@@ -389,22 +389,22 @@ def _plan(
     return _Plan(kept, tuple(removals), tuple(aborts), kept_why)
 
 
-def _remove_now_hint(manifest_won: bool) -> str:
-    if manifest_won:
+def _remove_now_hint(commit_due: bool) -> str:
+    if commit_due:
         return (
             "its manifest is written (the commit's last step is due); `cloudckpt rm` removes it now"
         )
     return "`cloudckpt gc --grace 0` or `cloudckpt rm` removes it now"
 
 
-def _grace_of(info: CheckpointInfo, grace_s: float, config: CheckpointConfig) -> float:
-    """How long an uncommitted checkpoint is spared after its last activity: the grace
-    period; for one whose manifest exists (its save won the commit and writes
-    ``metadata.json`` next, or failed to), at least three request deadlines of the
-    retry policy, ``--grace 0`` included: the save's last requests end within them."""
+def _commit_due(info: CheckpointInfo, now: float, config: CheckpointConfig) -> bool:
+    """Whether the manifest of an uncommitted checkpoint was created less than three
+    request deadlines ago (``--grace 0`` included): its save won the commit's
+    create-only write, and its last requests (the claim's check, ``metadata.json``)
+    end within that time, with the commit or with an error."""
     if info.size is None or info.removing:
-        return grace_s
-    return max(grace_s, 3 * config.retry.request_timeout_s)
+        return False
+    return now - _timestamp(info.created) < 3 * config.retry.request_timeout_s
 
 
 def _within_grace(age: float, grace_s: float) -> bool:

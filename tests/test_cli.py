@@ -62,6 +62,9 @@ def _save(uri: str, iteration: int, options: dict[str, Any] | None = None) -> No
     cloudckpt.save(state, uri, storage_options=options, sharded_strategy=ZARR)
 
 
+LONG_AGO = "2020-01-01T00:00:00Z"
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     """A local run: iter_0000010 and iter_0000020 committed, iter_0000030 uncommitted
@@ -70,6 +73,10 @@ def run_dir(tmp_path: Path) -> Path:
     for iteration in (10, 20, 30):
         _save(str(run / f"iter_{iteration:07d}"), iteration)
     (run / "iter_0000030" / "metadata.json").unlink()
+    # a save that failed at its last step long ago (a manifest just written is spared by
+    # gc for three request deadlines: its metadata.json may still come)
+    manifest = run / "iter_0000030" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "created": LONG_AGO}))
     (run / "logs").mkdir()
     (run / "logs" / "train.log").write_text("not a checkpoint\n")
     return run
