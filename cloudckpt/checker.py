@@ -4,10 +4,15 @@
 
 * **shallow** (default): one listing with sizes, ``metadata.json``, ``manifest.json``
   and the open multipart uploads. No data object is read: every object listed in the
-  manifest must exist with the recorded size; nothing else may lie under the prefix.
+  manifest must exist with the recorded size.
 * **deep**: also streams every object the manifest lists (``max_in_flight`` objects at
   once, ``part_size`` bytes at a time each, so memory stays at most
   ``max_in_flight x part_size``) and compares its CRC-32C with the manifest's.
+
+What lies under a committed checkpoint's prefix besides its objects (a foreign object,
+a multipart upload left open) does not make it wrong: the load never reads it. Such
+leftovers are *notes* of the report (``cloudckpt gc`` aborts the uploads); with
+``strict=True`` they are problems. An uncommitted checkpoint's open uploads are problems.
 
 A checkpoint written by Megatron-Core or PyTorch (``metadata.json`` but no claim and no
 manifest: *foreign*) has nothing to compare against; only its commit state is checked.
@@ -38,6 +43,7 @@ from cloudckpt.manifest import (
 )
 from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, OpenUpload, open_checkpoint
+from cloudckpt.tombstone import Tombstone
 
 __all__ = [
     "MEGATRON_INTEGRITY_FNAME",
@@ -45,6 +51,7 @@ __all__ = [
     "ConsistencyReport",
     "Problem",
     "IntegrityPlan",
+    "LEFTOVER_KINDS",
     "check_integrity",
     "verify",
 ]
@@ -61,7 +68,10 @@ PROBLEM_KINDS = (
     "checksum-mismatch",  # deep only: CRC-32C of the stored bytes != the manifest's
     "orphan-object",  # under the prefix, not in the manifest (nor metadata/manifest.json)
     "open-multipart-upload",  # a multipart upload under the prefix, never completed/aborted
+    "being-removed",  # a removal (gc, rm) took manifest.json's slot and has not finished
 )
+LEFTOVER_KINDS = frozenset({"orphan-object", "open-multipart-upload"})
+"""Kinds that are notes, not problems, of a committed checkpoint (unless ``strict``)."""
 
 ProgressFn = Callable[[int], None]
 
@@ -96,6 +106,8 @@ class ConsistencyReport:
             commit state was checked.
         deep: whether the objects' CRC-32Cs were checked.
         problems: every inconsistency found (empty for a good checkpoint).
+        notes: what lies under a committed checkpoint's prefix but is not part of it
+            (foreign objects, open multipart uploads): not problems unless ``strict``.
         objects: objects listed in the manifest (0 without one).
         total_bytes: their total size per the manifest, in bytes.
         checked_bytes: bytes read and checksummed (0 when shallow).
@@ -109,6 +121,7 @@ class ConsistencyReport:
     objects: int
     total_bytes: int
     checked_bytes: int
+    notes: tuple[Problem, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -119,6 +132,7 @@ class ConsistencyReport:
         """A JSON-ready dict of every field, plus ``"ok"``; problems as dicts."""
         doc = asdict(self)
         doc["problems"] = [p.to_dict() for p in self.problems]
+        doc["notes"] = [p.to_dict() for p in self.notes]
         doc["ok"] = self.ok
         return doc
 
@@ -127,6 +141,7 @@ def verify(
     uri: str,
     deep: bool = False,
     *,
+    strict: bool = False,
     storage_options: dict[str, Any] | None = None,
     config: CheckpointConfig | None = None,
     progress: ProgressFn | None = None,
@@ -137,6 +152,8 @@ def verify(
     Args:
         uri: checkpoint URI or local path.
         deep: also read every object and compare its CRC-32C with the manifest's.
+        strict: count the leftovers under a committed checkpoint's prefix (foreign
+            objects, open multipart uploads) as problems, not notes.
         storage_options: fsspec options (credentials, endpoint); override the config's.
         config: part size (bytes per read) and ``max_in_flight`` (objects read at once).
         progress: called with a number of bytes as deep checksumming advances (from
@@ -157,7 +174,9 @@ def verify(
         from cloudckpt import dist  # noqa: PLC0415 - torch only when called collectively
 
         return dist.run_on_coordinator(
-            lambda: verify(uri, deep, storage_options=storage_options, config=config),
+            lambda: verify(
+                uri, deep, strict=strict, storage_options=storage_options, config=config
+            ),
             f"verifying checkpoint {redact_uri(uri)!r}",
         )
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
@@ -166,6 +185,10 @@ def verify(
     if manifest is not None and deep:
         crc_problems, checked = _checksum_problems(storage, _intact(manifest, listing), progress)
         problems += crc_problems
+    notes: list[Problem] = []
+    if state.committed and not strict:
+        notes = [_as_note(p) for p in problems if p.kind in LEFTOVER_KINDS]
+        problems = [p for p in problems if p.kind not in LEFTOVER_KINDS]
     report = ConsistencyReport(
         uri=storage.uri,
         committed=state.committed,
@@ -175,9 +198,21 @@ def verify(
         objects=len(manifest.objects) if manifest is not None else 0,
         total_bytes=manifest.total_size if manifest is not None else 0,
         checked_bytes=checked,
+        notes=tuple(notes),
     )
     _log_report(report)
     return report
+
+
+def _as_note(problem: Problem) -> Problem:
+    why = (
+        "`cloudckpt gc` aborts it"
+        if problem.kind == "open-multipart-upload"
+        else "a load never reads it"
+    )
+    return dataclasses.replace(
+        problem, detail=f"{problem.detail}; not part of the checkpoint: {why}"
+    )
 
 
 def _shallow(
@@ -206,10 +241,6 @@ def _intact(manifest: Manifest, listing: Mapping[str, int]) -> list[ManifestEntr
     """The manifest's objects stored with their recorded size (the others are problems)."""
     return [e for e in manifest.objects if listing.get(e.path) == e.size]
 
-
-# problems of :func:`verify` that leave every recorded object intact (Megatron-Core's
-# integrity check likewise looks only at the files its record lists)
-_NOT_INTEGRITY = frozenset({"orphan-object", "open-multipart-upload"})
 
 MEGATRON_INTEGRITY_FNAME = INTEGRITY_FNAME
 
@@ -298,7 +329,9 @@ def _integrity_plan(
     storage = open_checkpoint(uri, storage_options=storage_options, config=config)
     state, listing, manifest, found = _shallow(storage)
     if not state.foreign:  # what the load reads is intact; extra objects do not matter
-        problems = tuple(p for p in found if p.kind not in _NOT_INTEGRITY)
+        # leftovers leave every recorded object intact (Megatron-Core's integrity check
+        # likewise looks only at the files its record lists)
+        problems = tuple(p for p in found if p.kind not in LEFTOVER_KINDS)
         intact = _intact(manifest, listing) if manifest is not None else []
         entries = tuple(sorted(intact, key=lambda e: -e.size))
         return IntegrityPlan("manifest", problems, crc_entries=entries)
@@ -394,7 +427,16 @@ def _read_manifest(
         return None, []
     where = storage.child_uri(MANIFEST_FNAME)
     try:
-        return Manifest.from_json(storage.read(MANIFEST_FNAME), where), []
+        raw = storage.read(MANIFEST_FNAME)
+        removal = Tombstone.from_json(raw)
+        if removal is not None:
+            detail = (
+                f"a removal (`cloudckpt gc` or `cloudckpt rm`; {removal.describe()}) took "
+                f"{MANIFEST_FNAME}'s slot and has not finished: uncommitted; `cloudckpt rm` "
+                "finishes it"
+            )
+            return None, [Problem("being-removed", MANIFEST_FNAME, detail)]
+        return Manifest.from_json(raw, where), []
     except ManifestError as exc:
         return None, [Problem("bad-manifest", MANIFEST_FNAME, str(exc))]
 

@@ -209,8 +209,9 @@ def _add_verify(subparsers: Subparsers) -> None:
         "verify",
         help="check a checkpoint against its manifest",
         description="Check that a checkpoint is committed and consistent with its manifest: "
-        "every listed object present with its size, no orphan objects, no open multipart "
-        "uploads; with --deep also the CRC-32C of every object's bytes. Exit status, as for "
+        "every listed object present with its size; with --deep also the CRC-32C of every "
+        "object's bytes. Foreign objects and open multipart uploads under a committed "
+        "checkpoint are listed as notes (problems with --strict). Exit status, as for "
         "every command (cloudckpt --help): 0 consistent; 1 inconsistent (uncommitted or "
         "problems found); 2 no checkpoint at the URI, store unreachable, credentials refused "
         "or missing, or bad arguments.",
@@ -218,6 +219,12 @@ def _add_verify(subparsers: Subparsers) -> None:
     parser.add_argument("uri", metavar="URI", help="checkpoint URI or local path")
     parser.add_argument(
         "--deep", action="store_true", help="read every object back and compare its CRC-32C"
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="count what lies under a committed checkpoint's prefix but is not part of it "
+        "(foreign objects, open multipart uploads) as problems, not notes",
     )
     _add_store_options(parser, with_progress=True)
     parser.set_defaults(handler=_cmd_verify)
@@ -230,7 +237,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     show = args.deep and _show_progress(args)
     total = manifest_size(args.uri, **kwargs) if show else None
     with progress_bar(show, "verify", "B", total) as progress:
-        report = checker.verify(args.uri, args.deep, progress=progress, **kwargs)
+        report = checker.verify(
+            args.uri, args.deep, strict=args.strict, progress=progress, **kwargs
+        )
     print(dump_json(report.to_dict()) if args.json else "\n".join(verify_lines(report)))
     return EXIT_OK if report.ok else EXIT_PROBLEM
 

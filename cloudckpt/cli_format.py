@@ -25,7 +25,12 @@ from cloudckpt.errors import CheckpointingException
 from cloudckpt.manifest import Manifest, TensorEntry
 from cloudckpt.redact import redact_uri
 from cloudckpt.storage import CheckpointStorage, open_checkpoint
-from cloudckpt.tracker import REASON_STALE_UPLOAD, CheckpointInfo, GcReport
+from cloudckpt.tracker import (
+    REASON_COMMITTED_UPLOAD,
+    REASON_STALE_UPLOAD,
+    CheckpointInfo,
+    GcReport,
+)
 
 ProgressCallback = Callable[[int], None]
 
@@ -341,7 +346,13 @@ def verify_lines(report: ConsistencyReport) -> list[str]:
     if report.problems:
         rows = [(p.kind, p.path, p.detail) for p in report.problems]
         lines += ["", *table(("PROBLEM", "PATH", "DETAIL"), rows), ""]
-    lines.append(_verify_summary(report))
+    if report.notes:
+        rows = [(p.kind, p.path, p.detail) for p in report.notes]
+        lines += ["", *table(("NOTE", "PATH", "DETAIL"), rows), ""]
+    summary = _verify_summary(report)
+    if report.notes:
+        summary += f"; {plural(len(report.notes), 'note')} (not part of the checkpoint)"
+    lines.append(summary)
     return lines
 
 
@@ -349,7 +360,7 @@ def verify_lines(report: ConsistencyReport) -> list[str]:
 
 
 def _gc_verb(reason: str, dry_run: bool) -> str:
-    if reason == REASON_STALE_UPLOAD:
+    if reason in (REASON_STALE_UPLOAD, REASON_COMMITTED_UPLOAD):
         return "would abort" if dry_run else "aborted"
     return "would remove" if dry_run else "removed"
 
