@@ -1,5 +1,6 @@
 """What operators and the commit protocol ask of a location besides data: existence,
-listings (objects only), open multipart uploads, deletes."""
+listings (objects only), open multipart uploads, deletes. Every request is the
+transport's, so on S3 it runs under cloudckpt's retries and deadlines."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class StorageAdmin(StorageHandle):
         """True when the object ``relpath`` exists (a prefix or directory is not one)."""
         path = self.full_path(relpath)
         try:
-            return bool(self.fs.isfile(path))
+            return self.transport.is_file(path)
         except io_errors() as exc:
             raise translate(exc, f"failed to stat {self.child_uri(relpath)}: {exc}") from exc
 
@@ -38,14 +39,14 @@ class StorageAdmin(StorageHandle):
         sorted, from one recursive listing (no object is opened). Objects only: no
         "directory" entries, directory-marker keys or the root itself."""
         base = self.full_path(prefix) if prefix else self.root
-        return listing.list_sizes(self.location, base)
+        return listing.list_sizes(self.transport, base)
 
     def list_children(self) -> builtins.list[str]:
         """Names of the immediate sub-prefixes (directories) of the root, sorted.
 
         On a store that keeps empty "directories" (SeaweedFS) a prefix whose objects
         were all deleted may still be listed here; it holds no object (:meth:`list`)."""
-        return listing.list_children(self.location)
+        return listing.list_children(self.transport)
 
     def is_empty(self) -> bool:
         """True when no object exists below the root."""
@@ -73,7 +74,7 @@ class StorageAdmin(StorageHandle):
         """Delete one object, or everything below ``relpath`` with ``recursive``."""
         path = self.full_path(relpath)
         try:
-            self.fs.rm(path, recursive=recursive)
+            self.transport.delete(path, recursive=recursive)
         except FileNotFoundError:
             return
         except io_errors() as exc:

@@ -1,62 +1,64 @@
 """Listings of a checkpoint's objects: objects only, on every store (no "directory"
 entries, which s3fs reports for prefixes and SeaweedFS keeps after their objects are
-deleted; no directory-marker keys; not the root itself)."""
+deleted; no directory-marker keys; not the root itself), sorted, with sizes.
+
+The requests are the transport's (:meth:`Transport.list_objects
+<cloudckpt.storage.transport.Transport.list_objects>` and the rest): on S3 each is one
+of cloudckpt's own, under its retries and deadlines (:mod:`.s3_listing`)."""
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
-from typing import Any
 
 from cloudckpt.errors import BucketNotFoundError
 from cloudckpt.storage.edge import io_errors, translate
-from cloudckpt.storage.location import Location, StoreKind
+from cloudckpt.storage.location import StoreKind
+from cloudckpt.storage.transport import Listed, Transport
 
 
-def list_sizes(location: Location, base: str) -> dict[str, int]:
+def list_sizes(transport: Transport, base: str) -> dict[str, int]:
     """``{path relative to the root: size}`` of every object below ``base`` (a path of
     the filesystem at or below the root), sorted, from one recursive listing."""
-    fs = location.fs
+    location = transport.location
     try:
-        found = fs.find(base, withdirs=False, detail=True) if fs.exists(base) else {}
+        found = transport.list_objects(base)
     except FileNotFoundError:
-        found = {}
+        found = []
     except io_errors() as exc:
         raise translate(exc, f"failed to list {location.uri}: {exc}") from exc
-    root = fs._strip_protocol(location.root).rstrip("/")
+    root = _root(transport)
     prefix_len = len(root) + 1 if root else 0
     sizes: dict[str, int] = {}
-    for path, info in sorted(found.items()):
-        name = fs._strip_protocol(path)
-        if is_directory_entry(name, info) or name.rstrip("/") == root:
+    for entry in sorted(found, key=lambda entry: entry.name):
+        if entry.directory or entry.name.rstrip("/") == root:
             continue
-        sizes[name[prefix_len:]] = int(info.get("size") or 0)
+        sizes[entry.name[prefix_len:]] = entry.size
     if not sizes:
-        require_bucket(location)
+        require_bucket(transport)
     return sizes
 
 
-def list_children(location: Location) -> list[str]:
+def list_children(transport: Transport) -> list[str]:
     """Names of the immediate sub-prefixes ("directories") of the root, sorted."""
-    fs = location.fs
+    location = transport.location
     try:
-        entries = fs.ls(location.root, detail=True) if fs.exists(location.root) else []
+        entries: list[Listed] = transport.list_level(location.root)
     except FileNotFoundError:
         entries = []
     except io_errors() as exc:
         raise translate(exc, f"failed to list {location.uri}: {exc}") from exc
-    root = fs._strip_protocol(location.root).rstrip("/")
+    root = _root(transport)
     names = set()
     for entry in entries:
-        path = fs._strip_protocol(entry["name"]).rstrip("/")
-        if entry.get("type") == "directory" and path != root:
+        path = entry.name.rstrip("/")
+        if entry.directory and path != root:
             names.add(posixpath.basename(path))
     if not names:
-        require_bucket(location)
+        require_bucket(transport)
     return sorted(names)
 
 
-def require_bucket(location: Location) -> None:
+def require_bucket(transport: Transport) -> None:
     """After a listing found nothing on S3 or GCS: raise if the URI's bucket does not
     exist (one request), so that a mistyped bucket is not an empty prefix (``latest``
     would answer None and a job would start from scratch).
@@ -64,30 +66,23 @@ def require_bucket(location: Location) -> None:
     Raises:
         BucketNotFoundError: naming the bucket and the URI.
     """
+    location = transport.location
     if location.kind not in (StoreKind.S3, StoreKind.GCS):
         return
-    fs = location.fs
-    bucket = fs._strip_protocol(location.root).split("/", 1)[0]
+    bucket = _root(transport).split("/", 1)[0]
     if not bucket:
         return
     try:
-        exists = _s3_bucket_exists(location) if location.kind is StoreKind.S3 else fs.exists(bucket)
+        exists = transport.bucket_exists()
     except io_errors() as exc:
         raise translate(exc, f"failed to look up the bucket of {location.uri}: {exc}") from exc
     if not exists:
         raise _bucket_not_found(bucket, location.uri)
 
 
-def _s3_bucket_exists(location: Location) -> bool:
-    """One listing of at most one key under the root: it needs only the permission the
-    listing itself had (a HEAD of the bucket may be refused to credentials allowed one
-    prefix), and fails with NoSuchBucket (s3fs: FileNotFoundError) only without a bucket."""
-    bucket, key, _ = location.fs.split_path(location.root)
-    try:
-        location.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
-    except FileNotFoundError:
-        return False
-    return True
+def _root(transport: Transport) -> str:
+    location = transport.location
+    return str(location.fs._strip_protocol(location.root)).rstrip("/")
 
 
 def _bucket_not_found(bucket: str, uri: str) -> BucketNotFoundError:
@@ -97,12 +92,3 @@ def _bucket_not_found(bucket: str, uri: str) -> BucketNotFoundError:
         "it): check the URI's bucket name",
         bucket,
     )
-
-
-def is_directory_entry(name: str, info: Mapping[str, Any]) -> bool:
-    """A listing entry that is a "directory", not an object: typed so by the filesystem,
-    or a zero-size key ending in ``/`` (a directory marker object)."""
-    if info.get("type") == "directory":
-        return True
-    key = str(info.get("Key") or info.get("name") or name)
-    return (key.endswith("/") or name.endswith("/")) and not int(info.get("size") or 0)

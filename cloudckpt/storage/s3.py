@@ -1,15 +1,15 @@
 """S3 (and S3-compatible stores): uploads straight from tensor memory with a CRC-32C
 per request, create-only writes (``If-None-Match: *``), multipart uploads with
 concurrent parts that are aborted on failure, ranged GETs into tensor memory, every
-request retried by cloudckpt's policy (:mod:`.retry`), listings of open uploads, and a
-first request that fails within seconds on an unreachable endpoint or refused
-credentials, naming the setting to fix."""
+request retried by cloudckpt's policy (:mod:`.retry`), listings, lookups and deletes
+under that policy too (:mod:`.s3_listing`), listings of open uploads, and a first
+request that fails within seconds on an unreachable endpoint or refused credentials,
+naming the setting to fix (:mod:`.s3_access`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import copy
 import ipaddress
 import logging
 import weakref
@@ -21,8 +21,7 @@ import aiohttp.payload
 import fsspec
 import fsspec.asyn
 
-from cloudckpt.errors import StorageAccessDeniedError, StorageError, StorageUnreachableError
-from cloudckpt.redact import redact_uri
+from cloudckpt.storage import s3_listing
 from cloudckpt.storage.blocks import PartChecksum, part_checksum
 from cloudckpt.storage.buffers import (
     BufferReader,
@@ -31,11 +30,13 @@ from cloudckpt.storage.buffers import (
     crc32c_base64,
     plan_parts,
 )
-from cloudckpt.storage.edge import AUTH_ERROR_CODES, error_code, io_errors, translate
+from cloudckpt.storage.edge import error_code, io_errors, translate
 from cloudckpt.storage.location import Location
 from cloudckpt.storage.pool import RequestPool, guarded
 from cloudckpt.storage.retry import Attempt, Retrier
-from cloudckpt.storage.transport import StoreChecksumError, Transport
+from cloudckpt.storage.s3_access import check_access
+from cloudckpt.storage.s3_listing import NOT_FOUND
+from cloudckpt.storage.transport import Listed, StoreChecksumError, Transport
 from cloudckpt.storage.types import OpenUpload
 
 if TYPE_CHECKING:
@@ -50,31 +51,15 @@ logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-NOT_FOUND = ("NoSuchKey", "404", "NotFound", "NoSuchBucket")  # a missing bucket: see listing.py
 NO_SUCH_UPLOAD = ("NoSuchUpload", "404")
-PROBE_CONNECT_TIMEOUT_S = 2.0
-PROBE_READ_TIMEOUT_S = 5.0
-ENDPOINT_SETTINGS = (
-    "the environment (AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL), --storage-option "
-    "endpoint_url=URL on the command line, or storage_options {endpoint_url: URL} in the "
-    "config or the storage_options= argument"
-)
-CREDENTIAL_SETTINGS = (
-    "the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, or "
-    "AWS_PROFILE), --storage-option key=... --storage-option secret=... on the command "
-    "line, or storage_options {key, secret, token} in the config or the storage_options= "
-    "argument; check the endpoint too"
-)
-# filesystems whose first request succeeded (one probe per client, not per checkpoint)
-_checked: weakref.WeakSet[fsspec.AbstractFileSystem] = weakref.WeakSet()
 
 
 class S3Transport(Transport):
     """Requests through s3fs's botocore client, each retried by cloudckpt's policy
     (:mod:`cloudckpt.storage.retry`): botocore makes one attempt per call (a hook ends
     the call before botocore's retry handler) and s3fs's own retry loop is not used, so
-    retries never multiply. A retry sends the same
-    bytes again, straight from memory, with the same CRC-32C."""
+    retries never multiply; listings, lookups and deletes too (:mod:`.s3_listing`). A
+    retry sends the same bytes again, straight from memory, with the same CRC-32C."""
 
     multipart = True
     streams_uploads = True
@@ -84,7 +69,7 @@ class S3Transport(Transport):
     ) -> None:
         super().__init__(location, pool, part_size, retry)
         self.retrier = Retrier(retry, pool.slots, (self.counters, pool.counters))
-        check_access(location)
+        check_access(location, retry)
 
     def put(
         self, path: str, view: memoryview | Sequence[memoryview], checksum: int, **extra: Any
@@ -126,6 +111,27 @@ class S3Transport(Transport):
     def call(self, method: str, **kwargs: Any) -> Any:
         """An S3 call without a body, retried (see :meth:`send`)."""
         return self.send(method, **kwargs)
+
+    # -- listings, lookups, deletes (retried like every other request) -----------------
+
+    def list_objects(self, path: str) -> list[Listed]:
+        return s3_listing.list_objects(self, path)
+
+    def list_level(self, path: str) -> list[Listed]:
+        return s3_listing.list_level(self, path)
+
+    def is_file(self, path: str) -> bool:
+        return s3_listing.is_file(self, path)
+
+    def size(self, path: str) -> int:
+        return s3_listing.size(self, path)
+
+    def delete(self, path: str, recursive: bool = False) -> None:
+        s3_listing.delete(self, path, recursive)
+        self.fs.invalidate_cache(path)
+
+    def bucket_exists(self) -> bool:
+        return s3_listing.bucket_exists(self)
 
     # -- reads -------------------------------------------------------------------------
 
@@ -563,75 +569,3 @@ def check_store_crc32c(stored: str | None, data: bytes) -> None:
 
 def _iso(value: Any) -> str:
     return value.isoformat() if hasattr(value, "isoformat") else str(value or "")
-
-
-# -- the first request: fail fast, naming the setting to fix ----------------------------
-
-
-def check_access(location: Location) -> None:
-    """List one key under the root through a client of the same settings that makes one
-    attempt with short timeouts, once per filesystem instance: an unreachable endpoint or
-    refused credentials fail within seconds, not after botocore's retries with backoff
-    (data requests keep them).
-
-    Raises:
-        StorageUnreachableError / StorageAccessDeniedError: naming the settings to fix.
-    """
-    fs = location.fs
-    bucket, key, _ = fs.split_path(location.root)
-    if not bucket or fs in _checked:
-        return
-    probe = type(fs)(**_probe_options(dict(fs.storage_options)))
-    probe.retries = 1  # s3fs's own retry loop, around botocore's
-    try:
-        probe.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
-    except io_errors() as exc:  # anything else is left to the real request
-        error = _access_error(exc, location.uri, _endpoint_of(probe))
-        if error is not None:
-            raise error from exc
-        logger.debug("%s: first request failed: %s", location.uri, exc)
-    _checked.add(fs)
-
-
-def _probe_options(options: dict[str, Any]) -> dict[str, Any]:
-    config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
-    config_kwargs.update(
-        connect_timeout=PROBE_CONNECT_TIMEOUT_S,
-        read_timeout=PROBE_READ_TIMEOUT_S,
-        retries={"mode": "standard", "total_max_attempts": 1},
-    )
-    return {**options, "config_kwargs": config_kwargs, "skip_instance_cache": True}
-
-
-def _endpoint_of(fs: Any) -> str:
-    client = getattr(fs, "_s3", None)
-    url = getattr(getattr(client, "meta", None), "endpoint_url", None)
-    return redact_uri(str(url)) if url else "the default AWS endpoint"
-
-
-def _access_error(exc: BaseException, uri: str, endpoint: str) -> StorageError | None:
-    """The error to raise for a failed first request, or None when it is neither a
-    connection failure nor refused credentials."""
-    import botocore.exceptions as boto  # type: ignore[import-untyped]  # noqa: PLC0415
-
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    if isinstance(exc, boto.ConnectionError | boto.ConnectTimeoutError) or isinstance(
-        cause, boto.ConnectionError
-    ):
-        return StorageUnreachableError(
-            f"cannot reach the S3 endpoint {endpoint} for {uri}: {exc}. The endpoint comes "
-            f"from {ENDPOINT_SETTINGS}"
-        )
-    if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
-        return StorageAccessDeniedError(
-            f"no S3 credentials for {uri} (endpoint {endpoint}): {exc}. Set them in "
-            f"{CREDENTIAL_SETTINGS}"
-        )
-    code = error_code(cause)
-    if code in AUTH_ERROR_CODES or (not code and isinstance(exc, PermissionError)):
-        return StorageAccessDeniedError(
-            f"the S3 endpoint {endpoint} refused the credentials for {uri} "
-            f"({code or type(exc).__name__}: {exc}). The credentials come from "
-            f"{CREDENTIAL_SETTINGS}"
-        )
-    return None

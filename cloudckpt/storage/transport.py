@@ -3,6 +3,12 @@
 buffers), GCS (resumable uploads in part-size chunks, create-only writes as simple
 uploads), any other fsspec filesystem, and S3 (:mod:`cloudckpt.storage.s3`).
 
+Besides data, a transport lists, looks up and deletes objects (:meth:`Transport.list_objects`,
+:meth:`~Transport.list_level`, :meth:`~Transport.is_file`, :meth:`~Transport.delete`,
+:meth:`~Transport.bucket_exists`): :mod:`.listing` and :mod:`.admin` ask it, so these
+requests run under the same bounds as the data requests of that store (S3: cloudckpt's
+retries and deadlines; GCS: a deadline per call around gcsfs's own retries).
+
 Transports raise the filesystem's own errors; :class:`CheckpointStorage` translates
 them at its edge, naming the object.
 """
@@ -10,14 +16,18 @@ them at its edge, naming the object.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable, Sequence
-from typing import IO, TYPE_CHECKING, cast
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
+
+import fsspec.exceptions
 
 from cloudckpt.retry_policy import RetryPolicy
 from cloudckpt.storage.buffers import plan_parts
 from cloudckpt.storage.location import Location, StoreKind
 from cloudckpt.storage.pool import RequestPool
-from cloudckpt.storage.retry import RequestCounters
+from cloudckpt.storage.retry import RequestCounters, RequestDeadlineExceeded, current_rank
 from cloudckpt.storage.types import OpenUpload
 
 if TYPE_CHECKING:
@@ -29,9 +39,37 @@ if TYPE_CHECKING:
 
 GCS_CHUNK_MULTIPLE = 256 * 1024  # GCS resumable uploads take chunks in multiples of this
 
+T = TypeVar("T")
+
 
 class StoreChecksumError(ValueError):
     """The store's own checksum of a whole object differs from the bytes received."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """One entry of a listing.
+
+    Attributes:
+        name: the filesystem's path of the entry, without protocol (``bucket/key`` on
+            object stores), as the store spells it (a directory-marker key keeps its
+            trailing ``/``).
+        size: bytes (0 for a directory).
+        directory: not an object: a "directory" entry (a common prefix; SeaweedFS keeps
+            empty ones) or a zero-size directory-marker key ending in ``/``.
+    """
+
+    name: str
+    size: int
+    directory: bool = False
+
+
+def listed(name: str, info: Mapping[str, Any]) -> Listed:
+    """The :class:`Listed` of one entry of an fsspec listing (``detail=True``)."""
+    size = int(info.get("size") or 0)
+    key = str(info.get("Key") or info.get("name") or name)
+    marker = (key.endswith("/") or name.endswith("/")) and not size
+    return Listed(name, size, info.get("type") == "directory" or marker)
 
 
 class Transport:
@@ -157,6 +195,55 @@ class Transport:
     def abort_upload(self, upload: OpenUpload) -> None:
         """Abort an open multipart upload (none outside S3)."""
 
+    # -- listings, lookups, deletes ------------------------------------------------------
+
+    def list_objects(self, path: str) -> list[Listed]:
+        """Every entry below the prefix ``path``, at any depth, in no particular order
+        (directory entries may be among them); nothing when it holds nothing."""
+        fs = self.fs
+        try:
+            if not self._metadata_call(fs.exists, path):
+                return []
+            found = self._metadata_call(fs.find, path, withdirs=False, detail=True)
+        except FileNotFoundError:
+            return []
+        return [listed(fs._strip_protocol(name), info) for name, info in found.items()]
+
+    def list_level(self, path: str) -> list[Listed]:
+        """The entries directly below the prefix ``path``: objects, and a directory
+        entry per sub-prefix; nothing when it holds nothing."""
+        fs = self.fs
+        try:
+            if not self._metadata_call(fs.exists, path):
+                return []
+            entries = self._metadata_call(fs.ls, path, detail=True)
+        except FileNotFoundError:
+            return []
+        return [listed(fs._strip_protocol(e["name"]), e) for e in entries]
+
+    def is_file(self, path: str) -> bool:
+        """Whether the object ``path`` exists (a prefix or directory is not one)."""
+        return bool(self._metadata_call(self.fs.isfile, path))
+
+    def size(self, path: str) -> int:
+        """The size of the object ``path`` (``FileNotFoundError`` without one)."""
+        return int(self._metadata_call(self.fs.size, path))
+
+    def delete(self, path: str, recursive: bool = False) -> None:
+        """Delete the object ``path`` (with ``recursive``: and everything below it).
+        May raise ``FileNotFoundError`` when nothing is there."""
+        self._metadata_call(self.fs.rm, path, recursive=recursive)
+
+    def bucket_exists(self) -> bool:
+        """Whether the root's bucket exists (object stores only)."""
+        bucket = self.fs._strip_protocol(self.location.root).split("/", 1)[0]
+        return bool(self._metadata_call(self.fs.exists, bucket))
+
+    def _metadata_call(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """One listing, lookup or delete of the filesystem (the seam where a transport
+        bounds them)."""
+        return call(*args, **kwargs)
+
 
 class LocalTransport(Transport):
     """Local disks: directories made on demand, real ``O_EXCL`` creates (fsspec's
@@ -209,7 +296,46 @@ class LocalTransport(Transport):
 
 class GcsTransport(Transport):
     """GCS through gcsfs: resumable uploads in ``part_size`` chunks (GCS's JSON API has
-    no parallel parts); create-only writes always as one simple upload."""
+    no parallel parts); create-only writes always as one simple upload.
+
+    Listings, lookups and deletes end by ``retry.request_timeout_s`` (and the opened
+    checkpoint's ``retry.operation_timeout_s``): gcsfs retries them itself (up to 6
+    attempts, each limited only by aiohttp's 300 s), so a server that stops answering
+    held ``cloudckpt ls`` or ``verify`` for many minutes. The call is cancelled on the
+    filesystem's event loop at the deadline (fsspec's ``timeout=``)."""
+
+    def __init__(
+        self,
+        location: Location,
+        pool: RequestPool,
+        part_size: int,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__(location, pool, part_size, retry)
+        timeout = self.retry.operation_timeout_s
+        self._operation_deadline = None if timeout is None else time.monotonic() + timeout
+
+    def _metadata_call(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        seconds = self.retry.request_timeout_s
+        deadline = f"the request deadline retry.request_timeout_s={seconds:g}"
+        if self._operation_deadline is not None:
+            left = self._operation_deadline - time.monotonic()
+            if left < seconds:
+                seconds = left
+                deadline = (
+                    "the deadline of this operation, retry.operation_timeout_s="
+                    f"{self.retry.operation_timeout_s:g}"
+                )
+        if seconds <= 0:
+            raise RequestDeadlineExceeded(f"gave up on rank {current_rank()}: {deadline} passed")
+        started = time.monotonic()
+        try:
+            return call(*args, timeout=seconds, **kwargs)
+        except fsspec.exceptions.FSTimeoutError as exc:
+            raise RequestDeadlineExceeded(
+                f"gave up on rank {current_rank()} after {time.monotonic() - started:.1f} s "
+                f"({deadline} passed)"
+            ) from exc
 
     def put(self, path: str, view: memoryview, checksum: int) -> None:
         chunk = max(GCS_CHUNK_MULTIPLE, self.part_size - self.part_size % GCS_CHUNK_MULTIPLE)
