@@ -99,7 +99,11 @@ class StorageReads(StorageHandle):
         path = self.full_path(relpath)
         if end is not None and end <= start:
             # an empty range; some filesystems (s3fs) read the whole object for it
-            if self.fs.isfile(path):
+            try:
+                found = self.transport.is_file(path)
+            except io_errors() as exc:
+                raise translate(exc, f"failed to read {self.child_uri(relpath)}: {exc}") from exc
+            if found:
                 return b""
             raise self.expected.not_found(relpath)
         try:
@@ -125,7 +129,7 @@ class StorageReads(StorageHandle):
 
     def _size(self, path: str) -> int:
         try:
-            return int(self.fs.size(path))
+            return self.transport.size(path)
         except io_errors():  # only a hint for the caller's error path
             return -1
 
