@@ -204,11 +204,12 @@ def _s3_client_defaults(
     options: dict[str, Any], max_in_flight: int, retry: RetryPolicy
 ) -> dict[str, Any]:
     """s3fs options with a connection pool for ``max_in_flight`` requests, the policy's
-    timeout per attempt, and botocore's standard retry mode for the calls s3fs makes
-    itself (listings, HEAD, deletes; the mode rewinds request bodies). The requests
-    cloudckpt sends itself make one botocore attempt each and are retried by
-    :mod:`cloudckpt.storage.retry` instead (see :mod:`cloudckpt.storage.s3`), so
-    retries never multiply. Explicit ``config_kwargs`` win."""
+    timeout per attempt, and botocore's standard retry mode for any call s3fs would make
+    itself (the mode rewinds request bodies; cloudckpt makes none through s3fs). The
+    requests cloudckpt sends - data, listings, HEADs, deletes - make one botocore attempt
+    each and are retried by :mod:`cloudckpt.storage.retry` instead (see
+    :mod:`cloudckpt.storage.s3`), so retries never multiply. Explicit ``config_kwargs``
+    win."""
     # copies all the way down: botocore rewrites the ``retries`` dict it is given
     config_kwargs = copy.deepcopy(dict(options.get("config_kwargs") or {}))
     config_kwargs.setdefault("max_pool_connections", max(10, max_in_flight))

@@ -9,8 +9,9 @@ bodies cut short. Everything else (403, 404, 412, a bug) is raised at once.
 One layer retries, not three. botocore's client is configured for one attempt
 (:mod:`.location`) and the S3 transport calls it directly, not through s3fs's own
 retry loop, so one of these requests is sent at most ``max_attempts`` times, never
-``max_attempts`` x botocore's x s3fs's. (Requests s3fs makes for cloudckpt - listings,
-HEAD, deletes - keep s3fs's loop of 5 attempts.)
+``max_attempts`` x botocore's x s3fs's. Listings, HEADs and deletes are such requests too
+(:mod:`.s3_listing`); only the probe of a new filesystem's first request goes through
+s3fs, with one attempt (:mod:`.s3_access`).
 
 Hand-written rather than with tenacity or backoff: the loop needs the failed
 response's ``Retry-After`` to set the next wait, a deadline shared by every request of
