@@ -334,3 +334,17 @@ def test_a_directory_the_process_may_not_write_raises_eacces(tmp_path: Path) -> 
     assert f"failed to create {uri}/.cloudckpt-claim.json" in done.stdout, done.stdout
     assert "Permission denied" in done.stdout and "(EACCES, rank 0)" in done.stdout, done.stdout
     assert not uri.exists()
+
+
+def test_gc_frees_a_full_disk(disk: Disk) -> None:
+    """gc works when it is needed most: on a disk full of committed checkpoints (the
+    tombstone of a committed one replaces its manifest, freeing its pages first)."""
+    run = disk.path / "run"
+    for step in (1, 2):
+        cloudckpt.save(row_state(0, 1, SMALL_ROW), str(run / f"iter_{step:07d}"))
+    disk.fill(leave=0)
+    assert shutil.disk_usage(disk.path).free < 4096  # not a page left
+    report = collect_garbage(str(run), 1)
+    assert [a.reason for a in report.actions] == ["older than the newest 1"]
+    assert not (run / "iter_0000001").exists()
+    assert latest(str(run)) == str(run / "iter_0000002")
