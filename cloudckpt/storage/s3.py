@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp.payload
 import fsspec
 import fsspec.asyn
+import fsspec.exceptions
 
 from cloudckpt.storage import s3_listing
 from cloudckpt.storage.blocks import PartChecksum, part_checksum
@@ -102,9 +103,7 @@ class S3Transport(Transport):
 
         def attempt(attempt: Attempt) -> Any:
             extra = {} if body is None else {"Body": _reader(body)}
-            return fsspec.asyn.sync(
-                self.fs.loop, _call_once, self.fs, attempt.timeout_s, method, **kwargs, **extra
-            )
+            return _once(self.fs, attempt.timeout_s, _call_once, method, **kwargs, **extra)
 
         return self.retrier.run(attempt, f"{method} {kwargs.get('Key', '')}", cleanup=cleanup)
 
@@ -175,9 +174,7 @@ class S3Transport(Transport):
             kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         if check:
             kwargs["ChecksumMode"] = "ENABLED"
-        result: bytes | int = fsspec.asyn.sync(
-            self.fs.loop, _get_once, self.fs, attempt.timeout_s, out, **kwargs
-        )
+        result: bytes | int = _once(self.fs, attempt.timeout_s, _get_once, out, **kwargs)
         return result
 
     def _read(self, path: str, attempt: Callable[[Attempt], R]) -> R:
@@ -281,11 +278,10 @@ class S3Transport(Transport):
 
         def attempt(attempt: Attempt) -> None:
             try:
-                fsspec.asyn.sync(
-                    self.fs.loop,
-                    _call_once,
+                _once(
                     self.fs,
                     attempt.timeout_s,
+                    _call_once,
                     "complete_multipart_upload",
                     Bucket=bucket,
                     Key=key,
@@ -372,6 +368,16 @@ class S3Transport(Transport):
 
     def _uri(self, item: PendingWrite) -> str:
         return self.location.child_uri(item.relpath)
+
+
+def _once(fs: Any, timeout_s: float, request: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one attempt (``request(fs, timeout_s, ...)``, a coroutine function) on the
+    filesystem's event loop; one that passed ``timeout_s`` raises a ``TimeoutError``
+    that says so (fsspec's own has no message)."""
+    try:
+        return fsspec.asyn.sync(fs.loop, request, fs, timeout_s, *args, **kwargs)
+    except fsspec.exceptions.FSTimeoutError as exc:
+        raise TimeoutError(f"no answer within {timeout_s:.1f} s") from exc
 
 
 async def _call_once(fs: Any, timeout_s: float, method: str, **kwargs: Any) -> Any:
