@@ -56,8 +56,9 @@ RETRY = {
 # the probe of a new filesystem (at most attempt_timeout_s), then one request that
 # passes its deadline; room for a loaded 2-core machine
 BOUND_S = 3 * REQUEST_S
-OPERATION_S = 1.5  # operation_timeout_s below request_timeout_s
-OPERATION_BOUND_S = OPERATION_S + 2.0
+OPERATION_S = 1.5  # operation_timeout_s well below request_timeout_s: the call ends by it
+OPERATION_RETRY = {**RETRY, "request_timeout_s": 10.0, "operation_timeout_s": OPERATION_S}
+OPERATION_BOUND_S = OPERATION_S + 3.0  # a request alone could take 10 s
 
 
 @dataclass
@@ -170,7 +171,7 @@ def test_storage_lookups_listings_and_deletes_end_within_the_request_deadline(
 
 
 def test_operation_deadline_bounds_verify_and_list(stalled: Stalled) -> None:
-    config = CheckpointConfig(retry={**RETRY, "operation_timeout_s": OPERATION_S})
+    config = CheckpointConfig(retry=OPERATION_RETRY)
     kwargs: dict[str, Any] = {"storage_options": stalled.options(), "config": config}
     parent = f"{stalled.bucket_uri}/run"
     stalled.stall()
@@ -249,7 +250,7 @@ def test_gcs_listings_lookups_and_deletes_end_within_the_deadlines(
         config = CheckpointConfig(retry=RETRY)
         kwargs: dict[str, Any] = {"storage_options": options, "config": config}
         storage = CheckpointStorage(f"{parent}/iter_1", **kwargs)
-        operation = CheckpointConfig(retry={**RETRY, "operation_timeout_s": OPERATION_S})
+        operation = CheckpointConfig(retry=OPERATION_RETRY)
         proxy.delay(HELD_S)
         calls: dict[str, Callable[[], Any]] = {
             "list_checkpoints": lambda: list_checkpoints(parent, **kwargs),
@@ -308,7 +309,7 @@ def _save(rank: int, world: int, uri: str, options: dict, retry: dict) -> dict:
     [
         (RETRY, BOUND_S, f"retry.request_timeout_s={REQUEST_S:g}"),
         (
-            {**RETRY, "operation_timeout_s": OPERATION_S},
+            OPERATION_RETRY,
             OPERATION_BOUND_S,
             f"retry.operation_timeout_s={OPERATION_S:g}",
         ),
