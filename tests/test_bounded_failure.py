@@ -371,7 +371,8 @@ def test_gc_says_why_it_keeps_an_uncommitted_checkpoint_and_removes_it_with_no_g
     root = tmp_path / "run"
     for name in ("iter_0000001", "iter_0000002"):
         cloudckpt.save(big_state(0, 1, row=10), str(root / name))
-    os.remove(root / "iter_0000002" / "metadata.json")  # as if its save had failed
+    for name in ("metadata.json", "manifest.json"):  # as if its save had failed
+        os.remove(root / "iter_0000002" / name)
     capsys.readouterr()
     assert cli_main(["gc", str(root), "--keep-last", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
