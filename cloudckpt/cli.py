@@ -61,10 +61,10 @@ from cloudckpt.cli_options import (
     _require_stored,
     _show_progress,
 )
-from cloudckpt.config import ConfigError
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptObjectError,
     InvalidURIError,
     StorageError,

@@ -94,14 +94,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # Imported here so that `cloudckpt --help` and the other subcommands do not pay for
     # torch and the demo model.
     from cloudckpt.config import from_yaml  # noqa: PLC0415
+    from cloudckpt.demo.options import DemoOptions, validate_options  # noqa: PLC0415
     from cloudckpt.demo.report import next_step_lines  # noqa: PLC0415
     from cloudckpt.demo.run import (  # noqa: PLC0415
-        DemoOptions,
         default_tp_sizes,
         prepare_destination,
         run_demo,
         run_demo_in_process_group,
-        validate_options,
     )
 
     tp, default_load_tp = default_tp_sizes(args.world_size, args.tp)

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from cloudckpt.config import CheckpointConfig, ConfigError, from_yaml
-from cloudckpt.errors import CheckpointNotFoundError
+from cloudckpt.config import CheckpointConfig, from_yaml
+from cloudckpt.errors import CheckpointNotFoundError, ConfigError
 from cloudckpt.redact import redact_uri
 from cloudckpt.storage import open_checkpoint
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from cloudckpt.errors import CheckpointingException
+from cloudckpt.errors import ConfigError
 from cloudckpt.redact import redact_options, redact_uri
 from cloudckpt.retry_policy import MAX_HASHED_KEY_PREFIX, RetryPolicy, to_retry_policy
 
@@ -83,10 +83,6 @@ _SIZE_UNITS = {
     **{f"{prefix}b": 1000**power for power, prefix in enumerate("kmgt", start=1)},
     **{f"{prefix}ib": 1024**power for power, prefix in enumerate("kmgt", start=1)},
 }
-
-
-class ConfigError(CheckpointingException, ValueError):
-    """A checkpoint configuration value, section or file is invalid."""
 
 
 @dataclass(frozen=True, repr=False)

@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as torch_dist
 
-from cloudckpt.errors import CollectiveError, CollectiveTimeoutError, RankLostError
+from cloudckpt.errors import CollectiveError, CollectiveTimeoutError, ConfigError, RankLostError
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,6 @@ def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
     except ValueError:
         value = -1.0
     if value < 0 or (value == 0 and name == ENV_COLLECTIVE_TIMEOUT):
-        from cloudckpt.config import ConfigError  # noqa: PLC0415 - config is torch-free
-
         raise ConfigError(f"${name} must be a number of seconds > 0, got {raw!r}")
     return value
 

@@ -135,6 +135,10 @@ class ObjectExistsError(StorageError, FileExistsError):
     """A create-only write found the object already there."""
 
 
+class ConfigError(CheckpointingException, ValueError):
+    """A checkpoint configuration value, section or file is invalid."""
+
+
 class CommitConflictError(CheckpointingException, FileExistsError):
     """Another job claimed or committed the same checkpoint URI."""
 

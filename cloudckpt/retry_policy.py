@@ -8,6 +8,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from cloudckpt.errors import ConfigError
+
 MAX_HASHED_KEY_PREFIX = 8
 """The most hex digits of a hashed key prefix (16**8 prefixes is far beyond need)."""
 
@@ -53,13 +55,13 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         attempts = self.max_attempts
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-            raise _config_error(f"retry.max_attempts must be an integer >= 1, got {attempts!r}")
+            raise ConfigError(f"retry.max_attempts must be an integer >= 1, got {attempts!r}")
         for name in ("base_delay_s", "max_delay_s", "attempt_timeout_s", "request_timeout_s"):
             _check_seconds(f"retry.{name}", getattr(self, name))
         if self.operation_timeout_s is not None:
             _check_seconds("retry.operation_timeout_s", self.operation_timeout_s)
         if not isinstance(self.adaptive, bool):
-            raise _config_error(f"retry.adaptive must be true or false, got {self.adaptive!r}")
+            raise ConfigError(f"retry.adaptive must be true or false, got {self.adaptive!r}")
 
     def backoff_cap(self, attempt: int) -> float:
         """The longest wait after failed attempt ``attempt`` (1-based), before jitter."""
@@ -68,7 +70,7 @@ class RetryPolicy:
 
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise _config_error(f"{name} must be a positive number of seconds, got {value!r}")
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 _RETRY_KEYS = tuple(f.name for f in dataclasses.fields(RetryPolicy))
@@ -85,17 +87,11 @@ def to_retry_policy(value: object) -> RetryPolicy:
     if value is None:
         return RetryPolicy()
     if not isinstance(value, Mapping):
-        raise _config_error(f"retry must be a mapping of its settings, got {type(value).__name__}")
+        raise ConfigError(f"retry must be a mapping of its settings, got {type(value).__name__}")
     unknown = [key for key in value if key not in _RETRY_KEYS]
     if unknown:
-        raise _config_error(
+        raise ConfigError(
             f"unknown retry setting(s): {', '.join(sorted(map(repr, unknown)))}; "
             f"allowed: {', '.join(_RETRY_KEYS)}"
         )
     return RetryPolicy(**value)
-
-
-def _config_error(message: str) -> Exception:
-    from cloudckpt.config import ConfigError  # noqa: PLC0415 - config imports this module
-
-    return ConfigError(message)

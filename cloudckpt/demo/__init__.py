@@ -10,8 +10,9 @@ training in :mod:`cloudckpt.demo.train`, the per-rank job in :mod:`cloudckpt.dem
 from __future__ import annotations
 
 from cloudckpt.demo.model import GPTConfig, Layout
+from cloudckpt.demo.options import DemoOptions
 from cloudckpt.demo.report import DemoResult
-from cloudckpt.demo.run import DemoOptions, DemoVerificationError, run_demo
+from cloudckpt.demo.run import DemoVerificationError, run_demo
 from cloudckpt.demo.train import Trainer
 
 __all__ = [

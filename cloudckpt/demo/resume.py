@@ -26,7 +26,7 @@ from cloudckpt.serialization import load
 from cloudckpt.tracker import latest
 
 if TYPE_CHECKING:
-    from cloudckpt.demo.run import DemoOptions
+    from cloudckpt.demo.options import DemoOptions
 
 logger = logging.getLogger(__name__)
 

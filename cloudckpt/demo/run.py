@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,7 +30,8 @@ import torch.distributed as torch_dist
 
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.demo import resume
-from cloudckpt.demo.model import GPTConfig, Layout, checkpoint_tensor_keys
+from cloudckpt.demo.model import checkpoint_tensor_keys
+from cloudckpt.demo.options import DemoOptions, validate_options
 from cloudckpt.demo.report import DemoResult
 from cloudckpt.demo.state import (
     _check_common,
@@ -62,75 +63,7 @@ class DestinationNotEmptyError(CheckpointingException, FileExistsError):
     """The demo's checkpoint URI already holds objects and ``overwrite`` was not given."""
 
 
-@dataclass(frozen=True)
-class DemoOptions:
-    """What the demo runs.
-
-    Attributes:
-        uri: checkpoint URI (a local path, ``file://``, ``s3://``, ...), kept as ``str``.
-        world_size: number of CPU ranks.
-        tp: tensor-parallel size when training and saving (DP = world_size / tp).
-        load_tp: tensor-parallel size of the layout loaded back (DP = world_size / load_tp);
-            normally different from ``tp``, so the load reshards.
-        steps: training steps before the save.
-        seed: seed of the initial weights and of the data.
-        batch_size: sequences per DP rank and step.
-        seq_len: tokens per sequence.
-        lr: Adam learning rate.
-        config: model sizes.
-        checkpoint: storage options, part size, in-flight requests and chunk size
-            (from ``--config``); None uses the defaults and the environment.
-        resume: ``uri`` is a run URI: resume from its latest committed checkpoint (if
-            any), train up to ``steps`` and save under it as ``iter_%07d``
-            (:mod:`cloudckpt.demo.resume`).
-        save_interval: with ``resume``, also save every this many steps.
-        kill_after: with ``resume``, SIGKILL the last rank right after saving this
-            iteration (fault injection, to try ``resume``).
-    """
-
-    uri: str
-    world_size: int = 4
-    tp: int = 2
-    load_tp: int = 1
-    steps: int = 10
-    seed: int = 1234
-    batch_size: int = 8
-    seq_len: int = 32
-    lr: float = 1e-3
-    config: GPTConfig = field(default_factory=GPTConfig)
-    checkpoint: CheckpointConfig | None = None
-    resume: bool = False
-    save_interval: int | None = None
-    kill_after: int | None = None
-
-    def layouts(self, rank: int) -> tuple[Layout, Layout]:
-        """The (save, load) layouts of ``rank``."""
-        return (
-            Layout(self.tp, self.world_size // self.tp, rank),
-            Layout(self.load_tp, self.world_size // self.load_tp, rank),
-        )
-
-
 # -- parent side ------------------------------------------------------------------------
-
-
-def validate_options(options: DemoOptions) -> None:
-    """Raise ValueError when the sizes do not fit together."""
-    cfg = options.config
-    for name, tp in (("tp", options.tp), ("load_tp", options.load_tp)):
-        if tp < 1 or options.world_size % tp:
-            raise ValueError(f"{name}={tp} must divide world size {options.world_size}")
-        for dim in (cfg.vocab_size, cfg.hidden_size, cfg.ffn_hidden_size):
-            if dim % tp:
-                raise ValueError(f"{name}={tp} must divide the model size {dim}")
-    if not 1 <= options.world_size <= 8:
-        raise ValueError(f"world size must be between 1 and 8, got {options.world_size}")
-    if options.seq_len > cfg.max_seq_len or options.steps < 1:
-        raise ValueError("need steps >= 1 and seq_len <= max_seq_len")
-    if options.save_interval is not None and options.save_interval < 1:
-        raise ValueError(f"save interval must be >= 1, got {options.save_interval}")
-    if not options.resume and (options.save_interval or options.kill_after is not None):
-        raise ValueError("--save-interval and --kill-after need --resume")
 
 
 def default_tp_sizes(world_size: int, tp: int | None = None) -> tuple[int, int]:

@@ -29,7 +29,7 @@ from cloudckpt.demo.train import BETAS, EPS, STATE_NAMES, Tensors, Trainer
 from cloudckpt.mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict
 
 if TYPE_CHECKING:
-    from cloudckpt.demo.run import DemoOptions
+    from cloudckpt.demo.options import DemoOptions
 
 
 def _common_state(options: DemoOptions) -> dict[str, Any]:

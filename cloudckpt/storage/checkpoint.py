@@ -23,6 +23,7 @@ from cloudckpt.errors import (
     ObjectExistsError,
     StorageError,
 )
+from cloudckpt.retry_policy import RetryPolicy
 from cloudckpt.storage.admin import StorageAdmin
 from cloudckpt.storage.blocks import block_size_for, object_checksum
 from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view, crc32c, plan_parts
@@ -30,6 +31,7 @@ from cloudckpt.storage.checked import Expected
 from cloudckpt.storage.edge import PRECONDITION_FAILED, error_code, io_errors, translate
 from cloudckpt.storage.local_scatter import Run, RunCheck, block_pieces, plan_runs
 from cloudckpt.storage.location import (
+    Location,
     StoreKind,
     enforces_exclusive_writes,
     resolve,
@@ -37,7 +39,7 @@ from cloudckpt.storage.location import (
 from cloudckpt.storage.pool import PendingWrite, RequestPool, guarded
 from cloudckpt.storage.reads import StorageReads
 from cloudckpt.storage.streams import ObjectStream, PartSink, UploadStream
-from cloudckpt.storage.transport import transport_for
+from cloudckpt.storage.transport import GcsTransport, LocalTransport, Transport
 from cloudckpt.storage.types import ReadRequest, WriteResult
 
 logger = logging.getLogger(__name__)
@@ -368,3 +370,19 @@ def open_checkpoint(
         expected=expected,
         verify_checksums=verify_checksums,
     )
+
+
+def transport_for(
+    location: Location, pool: RequestPool, part_size: int, retry: RetryPolicy | None = None
+) -> Transport:
+    """The transport for ``location``'s kind of store (S3 requests retried by ``retry``)."""
+    retry = retry or RetryPolicy()
+    if location.kind is StoreKind.S3:
+        from cloudckpt.storage.s3 import S3Transport  # noqa: PLC0415 - needs s3fs
+
+        return S3Transport(location, pool, part_size, retry)
+    kinds: dict[StoreKind, type[Transport]] = {
+        StoreKind.LOCAL: LocalTransport,
+        StoreKind.GCS: GcsTransport,
+    }
+    return kinds.get(location.kind, Transport)(location, pool, part_size, retry)

@@ -33,14 +33,23 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from cloudckpt.retry_policy import RetryPolicy
 
-if TYPE_CHECKING:
-    from cloudckpt.storage.pool import AdaptiveLimit
-
 logger = logging.getLogger(__name__)
+
+
+class SlotLimit(Protocol):
+    """The limit of requests in flight an attempt holds a slot of
+    (:class:`~cloudckpt.storage.pool.AdaptiveLimit`): entered for a ticket, told when
+    that attempt was throttled or any succeeded."""
+
+    def __enter__(self) -> int: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def throttled(self, ticket: int) -> None: ...
+    def succeeded(self) -> None: ...
+
 
 T = TypeVar("T")
 
@@ -165,7 +174,7 @@ class Retrier:
     """
 
     def __init__(
-        self, policy: RetryPolicy, limit: AdaptiveLimit, counters: Sequence[RequestCounters]
+        self, policy: RetryPolicy, limit: SlotLimit, counters: Sequence[RequestCounters]
     ) -> None:
         self.policy = policy
         self.limit = limit

@@ -22,20 +22,30 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cloudckpt.storage.edge import AUTH_ERROR_CODES, error_code, io_errors
+from cloudckpt.storage.location import Location
 from cloudckpt.storage.transport import Listed
 
-if TYPE_CHECKING:
-    from cloudckpt.storage.s3 import S3Transport
+
+class S3Caller(Protocol):
+    """What these requests need of the S3 transport (:class:`~cloudckpt.storage.s3.
+    S3Transport`): its filesystem and location, and its retried :meth:`call`."""
+
+    @property
+    def fs(self) -> Any: ...
+    @property
+    def location(self) -> Location: ...
+    def call(self, method: str, **kwargs: Any) -> Any: ...
+
 
 NOT_FOUND = ("NoSuchKey", "404", "NotFound", "NoSuchBucket")
 NO_SUCH_BUCKET = ("NoSuchBucket",)
 DELETE_BATCH = 1000  # keys per DeleteObjects request: S3's limit
 
 
-def list_objects(transport: S3Transport, path: str) -> list[Listed]:
+def list_objects(transport: S3Caller, path: str) -> list[Listed]:
     """Every key below the prefix ``path`` (one paginated ListObjectsV2)."""
     bucket, prefix = _bucket_and_prefix(transport, path)
     return [
@@ -45,7 +55,7 @@ def list_objects(transport: S3Transport, path: str) -> list[Listed]:
     ]
 
 
-def list_level(transport: S3Transport, path: str) -> list[Listed]:
+def list_level(transport: S3Caller, path: str) -> list[Listed]:
     """The keys and common prefixes directly below the prefix ``path``."""
     bucket, prefix = _bucket_and_prefix(transport, path)
     entries: list[Listed] = []
@@ -58,7 +68,7 @@ def list_level(transport: S3Transport, path: str) -> list[Listed]:
     return entries
 
 
-def is_file(transport: S3Transport, path: str) -> bool:
+def is_file(transport: S3Caller, path: str) -> bool:
     """Whether the object ``path`` exists (one HEAD; a prefix is not one)."""
     _, key, _ = transport.fs.split_path(path)
     if not key or key.endswith("/"):
@@ -70,12 +80,12 @@ def is_file(transport: S3Transport, path: str) -> bool:
     return True
 
 
-def size(transport: S3Transport, path: str) -> int:
+def size(transport: S3Caller, path: str) -> int:
     """The size of the object ``path`` (one HEAD; ``FileNotFoundError`` without one)."""
     return int(_head(transport, path).get("ContentLength") or 0)
 
 
-def _head(transport: S3Transport, path: str) -> dict[str, Any]:
+def _head(transport: S3Caller, path: str) -> dict[str, Any]:
     bucket, key, version = transport.fs.split_path(path)
     extra = {"VersionId": version} if version else {}
     try:
@@ -86,7 +96,7 @@ def _head(transport: S3Transport, path: str) -> dict[str, Any]:
         raise
 
 
-def delete(transport: S3Transport, path: str, recursive: bool = False) -> None:
+def delete(transport: S3Caller, path: str, recursive: bool = False) -> None:
     """Delete the object ``path`` (one DeleteObject); with ``recursive`` also every key
     below it, and the "directories" between (SeaweedFS removes an emptied one only when
     its name is deleted): DeleteObjects batches, deepest names last but the prefix's own.
@@ -112,7 +122,7 @@ def delete(transport: S3Transport, path: str, recursive: bool = False) -> None:
         _delete_batch(transport, bucket, doomed[start : start + DELETE_BATCH])
 
 
-def bucket_exists(transport: S3Transport) -> bool:
+def bucket_exists(transport: S3Caller) -> bool:
     """Whether the root's bucket exists: one listing of at most one key under the root,
     which needs only the permission the listing itself had (a HEAD of the bucket may be
     refused to credentials allowed one prefix) and fails with NoSuchBucket only
@@ -127,14 +137,12 @@ def bucket_exists(transport: S3Transport) -> bool:
     return True
 
 
-def _bucket_and_prefix(transport: S3Transport, path: str) -> tuple[str, str]:
+def _bucket_and_prefix(transport: S3Caller, path: str) -> tuple[str, str]:
     bucket, key, _ = transport.fs.split_path(path)
     return bucket, key.rstrip("/") + "/" if key else ""
 
 
-def _pages(
-    transport: S3Transport, bucket: str, prefix: str, **extra: Any
-) -> Iterator[dict[str, Any]]:
+def _pages(transport: S3Caller, bucket: str, prefix: str, **extra: Any) -> Iterator[dict[str, Any]]:
     """The pages of one ListObjectsV2 listing, each one retried request (every page
     holds ``Contents``, empty or not)."""
     token: dict[str, str] = {}
@@ -169,7 +177,7 @@ def _directories_between(prefix: str, keys: list[str]) -> list[str]:
     return sorted(found - present, key=lambda name: (-name.count("/"), name))
 
 
-def _delete_batch(transport: S3Transport, bucket: str, keys: list[str]) -> None:
+def _delete_batch(transport: S3Caller, bucket: str, keys: list[str]) -> None:
     """One DeleteObjects request (retried: deleting again is harmless)."""
     response = transport.call(
         "delete_objects",

@@ -1,7 +1,7 @@
 """How bytes move to and from one kind of store, chosen once per storage
-(:func:`transport_for`): local disks (``O_EXCL`` creates, reads straight into
-buffers), GCS (resumable uploads in part-size chunks, create-only writes as simple
-uploads), any other fsspec filesystem, and S3 (:mod:`cloudckpt.storage.s3`).
+(:func:`cloudckpt.storage.checkpoint.transport_for`): local disks (``O_EXCL`` creates,
+reads straight into buffers), GCS (resumable uploads in part-size chunks, create-only
+writes as simple uploads), any other fsspec filesystem, and S3 (:mod:`cloudckpt.storage.s3`).
 
 Besides data, a transport lists, looks up and deletes objects (:meth:`Transport.list_objects`,
 :meth:`~Transport.list_level`, :meth:`~Transport.is_file`, :meth:`~Transport.delete`,
@@ -25,7 +25,7 @@ import fsspec.exceptions
 
 from cloudckpt.retry_policy import RetryPolicy
 from cloudckpt.storage.buffers import plan_parts
-from cloudckpt.storage.location import Location, StoreKind
+from cloudckpt.storage.location import Location
 from cloudckpt.storage.pool import RequestPool
 from cloudckpt.storage.retry import RequestCounters, RequestDeadlineExceeded, current_rank
 from cloudckpt.storage.types import OpenUpload
@@ -348,19 +348,3 @@ class GcsTransport(Transport):
         # does): the claim and the manifest must never take that path.
         with self.pool.slots:
             self.fs.pipe_file(path, view, mode="create", chunksize=view.nbytes + 1)
-
-
-def transport_for(
-    location: Location, pool: RequestPool, part_size: int, retry: RetryPolicy | None = None
-) -> Transport:
-    """The transport for ``location``'s kind of store (S3 requests retried by ``retry``)."""
-    retry = retry or RetryPolicy()
-    if location.kind is StoreKind.S3:
-        from cloudckpt.storage.s3 import S3Transport  # noqa: PLC0415 - needs s3fs
-
-        return S3Transport(location, pool, part_size, retry)
-    kinds: dict[StoreKind, type[Transport]] = {
-        StoreKind.LOCAL: LocalTransport,
-        StoreKind.GCS: GcsTransport,
-    }
-    return kinds.get(location.kind, Transport)(location, pool, part_size, retry)

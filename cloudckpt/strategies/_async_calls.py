@@ -13,18 +13,33 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cloudckpt import dist
+from cloudckpt.dist_guard import Bounds
 from cloudckpt.errors import CheckpointingException
 
-if TYPE_CHECKING:
-    from cloudckpt.strategies.async_utils import AsyncRequest
-
 logger = logging.getLogger(__name__)
+
+
+class ScheduledRequest(Protocol):
+    """What a scheduled call needs of its request
+    (:class:`~cloudckpt.strategies.async_utils.AsyncRequest`)."""
+
+    @property
+    def async_fn(self) -> Callable[..., Any] | None: ...
+    @property
+    def async_fn_kwargs(self) -> Mapping[str, Any]: ...
+    @property
+    def finalize_fns(self) -> Sequence[Callable[[], Any]]: ...
+    @property
+    def call_idx(self) -> int: ...
+    @property
+    def bounds(self) -> Bounds: ...
+    def resolved_args(self) -> tuple[Any, ...]: ...
 
 
 @contextmanager
@@ -49,7 +64,7 @@ class _ScheduledCall:
     """One scheduled request: its resolved arguments, outcome and completion flag."""
 
     idx: int
-    request: AsyncRequest
+    request: ScheduledRequest
     args: tuple[Any, ...] = ()
     error: BaseException | None = None
     started: float = field(default_factory=time.monotonic)
@@ -125,7 +140,7 @@ class AsyncCaller(ABC):
     """
 
     @abstractmethod
-    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+    def schedule_async_call(self, async_req: ScheduledRequest) -> None:
         """Start ``async_req`` in the background (after its ``preload_fn``)."""
 
     @abstractmethod
@@ -156,7 +171,7 @@ class _SingleCallCaller(AsyncCaller):
     def _worker(self) -> _Worker | None:
         return None
 
-    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+    def schedule_async_call(self, async_req: ScheduledRequest) -> None:
         """Start ``async_req`` (must be called on all ranks, as in Megatron-Core)."""
         if async_req.async_fn is None:
             return
