@@ -1,6 +1,6 @@
 """Large-object transfer clients against one S3 server, interleaved A/B rounds.
 
-Which client should move a checkpoint's large objects (issue 14, item 3)? Each round
+Which client should move a checkpoint's large objects? Each round
 puts one object of ``--mib`` MiB per process and reads it back into a preallocated
 buffer, through each client in turn (A B C D A B C D ...), from ``--procs`` processes
 at once (started together at a barrier):
@@ -39,8 +39,8 @@ spends 9-15 CPU-seconds per GB on PUTs against 1-3 for any client, so every clie
 saves at the server's pace; on GETs the current path used the least client CPU
 (about 0.45 s/GB against about 1.1 for crt and obstore). Neither native client won,
 so cloudckpt keeps its s3fs/aiobotocore transport; rerun this on a real node and store
-before revisiting. Rerun against the benchmarks' server with a 4 GiB Go heap (the
-seventh session: the 512 MiB of the tests had the server collecting garbage): PUTs
+before revisiting. Against the benchmarks' server with a 4 GiB Go heap (at the tests'
+512 MiB the server spends most of its CPU collecting garbage): PUTs
 169-186 MB/s for every client at 9.7-10.2 server CPU s per GB; GETs 1,209 MB/s for
 cloudckpt, 844-884 for crt and obstore, which used twice the client CPU: the same choice.
 """
