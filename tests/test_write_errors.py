@@ -247,6 +247,11 @@ def test_a_full_disk_at_the_claim_keeps_enospc(disk: Disk) -> None:
     assert raised.value.errno == errno.ENOSPC, raised.value
     assert f"{uri}/.cloudckpt-claim.json" in str(raised.value), raised.value
     assert "(ENOSPC, rank 0)" in str(raised.value), raised.value
+    # the claim cut short is not left behind: once there is room, the retry commits
+    assert not os.path.exists(f"{uri}/.cloudckpt-claim.json")
+    os.remove(disk.path / "filler")
+    cloudckpt.save({"t": _tensor(4)}, uri)
+    assert cloudckpt.verify(uri).ok
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -15,6 +15,7 @@ them at its edge, naming the object.
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -263,8 +264,17 @@ class LocalTransport(Transport):
 
     def create(self, path: str, view: memoryview, checksum: int) -> None:
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        with self.pool.slots, self.fs.open(path, "xb") as f:
-            f.write(view)
+        with self.pool.slots:
+            created = self.fs.open(path, "xb")  # FileExistsError: another's, left alone
+            try:
+                with created:
+                    created.write(view)
+            except BaseException:
+                # this write's own file (O_EXCL): cut short (a full disk), it must not
+                # stand as a claim or manifest that refuses the next create
+                with contextlib.suppress(OSError):
+                    self.fs.rm_file(path)
+                raise
 
     def fetch_into(self, path: str, out: memoryview, start: int) -> int:
         with self.pool.slots, self.fs.open(path, "rb") as f:
