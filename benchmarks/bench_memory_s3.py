@@ -67,8 +67,8 @@ from cloudckpt.config import (
     GiB,
     MiB,
 )
+from cloudckpt.formats.zarr.layout import tensor_bytes
 from cloudckpt.storage.buffers import plan_parts
-from cloudckpt.strategies._zarr_format import tensor_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REGION = "us-east-1"

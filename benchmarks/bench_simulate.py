@@ -90,6 +90,12 @@ from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from cloudckpt.commit import COORDINATOR, build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
+from cloudckpt.formats.dcp.columns import ItemResultColumns, PlanColumns
+from cloudckpt.formats.dcp.plan import apply_global_plan_update
+from cloudckpt.formats.dcp.ranges import RecordedStorageInfo
+from cloudckpt.formats.dcp.steps import global_step_columns, plans_in_columns
+from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter
+from cloudckpt.formats.zarr.layout import ZARRAY, shard_chunk_indices
 from cloudckpt.huge_pages import numpy_advises_huge_pages
 from cloudckpt.keys import KeyLayout
 from cloudckpt.manifest import CommitRecord, Manifest
@@ -99,12 +105,6 @@ from cloudckpt.session import regular_grid_for
 from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
-from cloudckpt.strategies._dcp_columns import ItemResultColumns, PlanColumns
-from cloudckpt.strategies._dcp_dist import global_step_columns, plans_in_columns
-from cloudckpt.strategies._dcp_plan import apply_global_plan_update
-from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
-from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter
-from cloudckpt.strategies._zarr_format import ZARRAY, shard_chunk_indices
 from cloudckpt.strategies.torch import (
     TorchDistSaveShardedStrategy,
     _PackedObjectsSavePlanner,

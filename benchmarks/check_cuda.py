@@ -58,8 +58,8 @@ import torch.multiprocessing as mp
 import cloudckpt
 from cloudckpt.bench.workload import build_state, plan_workload
 from cloudckpt.config import parse_size
+from cloudckpt.formats.host_copies import HOST_COPIES
 from cloudckpt.mapping import ShardedTensor, is_main_replica
-from cloudckpt.strategies._host_copies import HOST_COPIES
 from cloudckpt.strategies.async_utils import AsyncCallsQueue
 from cloudckpt.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,

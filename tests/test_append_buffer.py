@@ -1,4 +1,4 @@
-"""AppendBuffer: the torch_dist writer's object buffer (cloudckpt/strategies/_append_buffer.py)."""
+"""AppendBuffer: the torch_dist writer's object buffer (cloudckpt/formats/dcp/append_buffer.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import torch
 
-from cloudckpt.strategies._append_buffer import AppendBuffer
+from cloudckpt.formats.dcp.append_buffer import AppendBuffer
 
 
 def test_torch_save_into_a_reserved_buffer_fills_it_without_growing() -> None:

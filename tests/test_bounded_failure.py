@@ -38,8 +38,8 @@ from cloudckpt.dist_guard import (
     ENV_HEARTBEAT_TIMEOUT,
     Bounds,
 )
+from cloudckpt.formats.dcp.steps import GuardedDistWrapper
 from cloudckpt.launch import RankPool
-from cloudckpt.strategies._dcp_dist import GuardedDistWrapper
 from tests.faultproxy import FaultProxy
 from tests.fixtures_object_stores import S3_CASES, S3Endpoint, bucket_location, server_for
 from tests.test_failure_agreement import _outcome  # the same outcome record

@@ -1,5 +1,5 @@
 """Each rank's extra metadata sent pickled; the coordinator's merge of them
-(cloudckpt.strategies._dcp_extra): what updating with every rank's extra in rank order
+(cloudckpt.formats.dcp.extra): what updating with every rank's extra in rank order
 gives, each distinct pickle unpickled once."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from cloudckpt.strategies import _dcp_extra
-from cloudckpt.strategies._dcp_extra import PickledExtra, merge_extras
+from cloudckpt.formats.dcp import extra as _dcp_extra
+from cloudckpt.formats.dcp.extra import PickledExtra, merge_extras
 
 
 def _sequential(start: dict[str, Any], extras: list[Any]) -> dict[str, Any]:

@@ -13,9 +13,9 @@ import sys
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
+from cloudckpt.formats.dcp.ranges import TENSOR_DATA_KEY, plain_info, with_records
+from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter, read_metadata
 from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies._dcp_ranges import TENSOR_DATA_KEY, plain_info, with_records
-from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter, read_metadata
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_simulate as sim

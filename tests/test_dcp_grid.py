@@ -1,5 +1,5 @@
 """The coordinator's check that a torch_dist save's chunks tile their tensors on a grid
-(cloudckpt.strategies._dcp_grid.valid_chunks), against a
+(cloudckpt.formats.dcp.grid.valid_chunks), against a
 brute-force painting of every cell: it proves only exact tilings, proves every grid
 (whole, evenly split and unevenly split dimensions, chunks in any order), and sorts
 only the unevenly split dimensions."""
@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloudckpt.strategies import _dcp_grid
-from cloudckpt.strategies._dcp_grid import GridChunks, valid_chunks
-from cloudckpt.strategies._dcp_plan import linear_global_columns
+from cloudckpt.formats.dcp import grid as _dcp_grid
+from cloudckpt.formats.dcp.grid import GridChunks, valid_chunks
+from cloudckpt.formats.dcp.plan import linear_global_columns
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_simulate as sim

@@ -1,4 +1,4 @@
-"""``.metadata`` pickled in columns (cloudckpt.strategies._dcp_metadata_pickle): it
+"""``.metadata`` pickled in columns (cloudckpt.formats.dcp.metadata_pickle): it
 unpickles, with ``pickle``, DCP's ``FileSystemReader`` and cloudckpt's restricted reader,
 to a ``Metadata`` equal to what ``pickle.dumps`` gives (same classes, same instance
 dicts, same order), and falls back to ``pickle.dumps`` where an item has another shape."""
@@ -19,10 +19,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from cloudckpt.strategies import _dcp_metadata_pickle
-from cloudckpt.strategies._dcp_columns import RecordColumns
-from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata
-from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
+from cloudckpt.formats.dcp import metadata_pickle as _dcp_metadata_pickle
+from cloudckpt.formats.dcp.columns import RecordColumns
+from cloudckpt.formats.dcp.metadata_pickle import dumps_metadata
+from cloudckpt.formats.dcp.unpickler import load_dcp_metadata
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_simulate as sim

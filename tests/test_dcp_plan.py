@@ -1,4 +1,4 @@
-"""The linear coordinator step of torch_dist saves (cloudckpt.strategies._dcp_plan) gives
+"""The linear coordinator step of torch_dist saves (cloudckpt.formats.dcp.plan) gives
 DCP's own global plans and metadata (pickled byte for byte) for TP x PP x DP layouts,
 and leaves every case it cannot prove valid to DCP (duplicates, overlaps, gaps, chunks
 out of bounds or off a grid), whose results and errors are then DCP's."""
@@ -17,14 +17,14 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
-from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies._dcp_plan import (
+from cloudckpt.formats.dcp.plan import (
     GlobalPlanUpdate,
     apply_global_plan_update,
     global_plan_updates,
     linear_global_save_plan,
 )
-from cloudckpt.strategies._dcp_storage import CloudStorageWriter
+from cloudckpt.formats.dcp.storage import CloudStorageWriter
+from cloudckpt.storage import open_checkpoint
 from cloudckpt.strategies.torch import _PackedObjectsSavePlanner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))

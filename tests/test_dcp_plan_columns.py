@@ -1,4 +1,4 @@
-"""The coordinator step's column checks and unhinted plans (cloudckpt.strategies._dcp_plan,
+"""The coordinator step's column checks and unhinted plans (cloudckpt.formats.dcp.plan,
 _dcp_dist.create_global_plan): the chunks of every tensor are validated at once in numpy
 columns, anything unproven is left to DCP, and where the writer keeps the items the
 coordinator leaves the index hints to the ranks, which expand the same global plans."""
@@ -14,15 +14,15 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
-from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies._dcp_dist import create_global_plan, keeps_plan_items
-from cloudckpt.strategies._dcp_plan import (
+from cloudckpt.formats.dcp.plan import (
     GlobalPlanUpdate,
     apply_global_plan_update,
     global_plan_updates,
     linear_global_save_plan,
 )
-from cloudckpt.strategies._dcp_storage import CloudStorageWriter
+from cloudckpt.formats.dcp.steps import create_global_plan, keeps_plan_items
+from cloudckpt.formats.dcp.storage import CloudStorageWriter
+from cloudckpt.storage import open_checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_simulate as sim

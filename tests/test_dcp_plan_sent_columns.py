@@ -1,4 +1,4 @@
-"""Local plans sent in columns (cloudckpt.strategies._dcp_columns.PlanColumns) and the
+"""Local plans sent in columns (cloudckpt.formats.dcp.columns.PlanColumns) and the
 coordinator's step on them (_dcp_plan.linear_global_columns, _dcp_dist.
 global_step_columns): the same metadata and index hints as the step on the plans as
 objects and as DCP's, DCP's own step wherever the columns cannot prove the plans, and
@@ -22,16 +22,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 import cloudckpt
-from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies import _dcp_metadata_pickle, _dcp_plan
-from cloudckpt.strategies._dcp_columns import PlanColumns
-from cloudckpt.strategies._dcp_dist import (
-    create_global_plan,
-    global_step_columns,
-    plans_in_columns,
-)
-from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata_columns
-from cloudckpt.strategies._dcp_plan import (
+from cloudckpt.formats.dcp import metadata_pickle as _dcp_metadata_pickle
+from cloudckpt.formats.dcp import plan as _dcp_plan
+from cloudckpt.formats.dcp.columns import PlanColumns
+from cloudckpt.formats.dcp.metadata_pickle import dumps_metadata_columns
+from cloudckpt.formats.dcp.plan import (
     GlobalPlanUpdate,
     LinearGlobalPlanMixin,
     apply_global_plan_update,
@@ -39,7 +34,13 @@ from cloudckpt.strategies._dcp_plan import (
     linear_global_columns,
     linear_global_save_plan,
 )
-from cloudckpt.strategies._dcp_storage import CloudStorageWriter
+from cloudckpt.formats.dcp.steps import (
+    create_global_plan,
+    global_step_columns,
+    plans_in_columns,
+)
+from cloudckpt.formats.dcp.storage import CloudStorageWriter
+from cloudckpt.storage import open_checkpoint
 from cloudckpt.strategies.torch import _PackedObjectsSavePlanner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -271,7 +272,7 @@ def test_chunk_lists_written_from_ids_unpickle_to_the_metadatas(
 
 def _storage_columns(fast: Any) -> Any:
     """Made-up storage columns for ``fast``'s items (one object per rank)."""
-    from cloudckpt.strategies._dcp_columns import ItemResultColumns, join_columns  # noqa: PLC0415
+    from cloudckpt.formats.dcp.columns import ItemResultColumns, join_columns  # noqa: PLC0415
 
     results = []
     for keys in fast.keys:
@@ -333,9 +334,9 @@ def test_a_rank_sending_objects_gets_the_chunk_lists_filled(tmp_path: Path) -> N
     """The coordinator's step on columns leaves the chunk lists empty; where a rank then
     sends its write results as objects, ``finish_columns`` takes the objects path, which
     pickles the lists themselves: it fills them first, and ``.metadata`` is the same."""
-    from cloudckpt.strategies._dcp_columns import ItemResultColumns  # noqa: PLC0415
-    from cloudckpt.strategies._dcp_plan import apply_global_plan_update  # noqa: PLC0415
-    from cloudckpt.strategies._dcp_storage import read_metadata  # noqa: PLC0415
+    from cloudckpt.formats.dcp.columns import ItemResultColumns  # noqa: PLC0415
+    from cloudckpt.formats.dcp.plan import apply_global_plan_update  # noqa: PLC0415
+    from cloudckpt.formats.dcp.storage import read_metadata  # noqa: PLC0415
 
     plans = _local_plans(sim.World(2, 2, 2, 16), 13)
     written = []

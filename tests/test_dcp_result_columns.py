@@ -1,5 +1,5 @@
-"""Write results in columns and ``.metadata`` from columns (cloudckpt.strategies.
-_dcp_columns, _dcp_storage.CloudStorageWriter.finish_columns, _dcp_metadata_pickle.
+"""Write results in columns and ``.metadata`` from columns (cloudckpt.formats.
+dcp.columns, dcp.storage.CloudStorageWriter.finish_columns, dcp.metadata_pickle.
 dumps_metadata_columns): the ``.metadata`` written unpickles to the ``Metadata`` of
 the object path and of DCP's own step on the same state, and anything the columns
 cannot say (a custom writer, an unknown storage info) takes the object path."""
@@ -26,20 +26,21 @@ from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
-from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies import _dcp_dist, _dcp_metadata_pickle
-from cloudckpt.strategies._dcp_columns import (
+from cloudckpt.formats.dcp import metadata_pickle as _dcp_metadata_pickle
+from cloudckpt.formats.dcp import steps as _dcp_dist
+from cloudckpt.formats.dcp.columns import (
     ItemResultColumns,
     PlanKeys,
     StorageColumns,
     _record_tables,
     as_write_results,
 )
-from cloudckpt.strategies._dcp_dist import column_keys, create_global_plan, writes_columns
-from cloudckpt.strategies._dcp_plan import apply_global_plan_update, global_plan_updates
-from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo, plain_info
-from cloudckpt.strategies._dcp_storage import METADATA_FNAME, CloudStorageWriter, read_metadata
-from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
+from cloudckpt.formats.dcp.plan import apply_global_plan_update, global_plan_updates
+from cloudckpt.formats.dcp.ranges import RecordedStorageInfo, plain_info
+from cloudckpt.formats.dcp.steps import column_keys, create_global_plan, writes_columns
+from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter, read_metadata
+from cloudckpt.formats.dcp.unpickler import load_dcp_metadata
+from cloudckpt.storage import open_checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_simulate as sim

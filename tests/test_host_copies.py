@@ -1,5 +1,5 @@
 """HostCopies: the torch_dist writer's device-to-host buffers, reused across saves
-(cloudckpt/strategies/_host_copies.py). Pinned buffers need CUDA; the reuse and bounds
+(cloudckpt/formats/host_copies.py). Pinned buffers need CUDA; the reuse and bounds
 logic is the same with unpinned ones, tested here."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.strategies._host_copies import HostCopies, Registrar, to_host
+from cloudckpt.formats.host_copies import HostCopies, Registrar, to_host
 
 
 def test_buffers_are_reused_per_dtype_and_shape_and_hold_the_copy() -> None:

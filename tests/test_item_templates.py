@@ -1,5 +1,5 @@
 """Tensor items replayed from an earlier item of the same layout
-(cloudckpt/strategies/_item_templates.py).
+(cloudckpt/formats/dcp/item_templates.py).
 
 * A replayed item is byte for byte what ``torch.save`` writes (torch's zip CRC off, as
   the writer saves), except the serialization id, and ``torch.load`` reads it.
@@ -21,9 +21,9 @@ import torch.distributed.checkpoint as dcp
 
 import cloudckpt
 from cloudckpt import ShardedTensor
-from cloudckpt.strategies._dcp_objects import without_zip_crc32
-from cloudckpt.strategies._dcp_ranges import storage_record
-from cloudckpt.strategies._item_templates import ItemTemplates, layout_of
+from cloudckpt.formats.dcp.item_templates import ItemTemplates, layout_of
+from cloudckpt.formats.dcp.objects import without_zip_crc32
+from cloudckpt.formats.dcp.ranges import storage_record
 
 
 def _saved(tensor: torch.Tensor) -> bytes:

@@ -807,7 +807,7 @@ def test_megatron_015_metadata_class_is_read_without_megatron(tmp_path: Path) ->
     fields = {k: v for k, v in vars(plain).items() if k != "mcore_data"}  # cloudckpt's records
     mcore = torch_strategies.MCoreMetadata(mcore_data={"w": {}}, **fields)
     raw = pickle.dumps(mcore, protocol=2).replace(
-        b"ccloudckpt.strategies._dcp_storage\nMCoreMetadata",
+        b"ccloudckpt.formats.dcp.storage\nMCoreMetadata",
         b"cmegatron.core.dist_checkpointing.strategies.torch\nMCoreMetadata",
     )
     assert b"megatron.core" in raw

@@ -18,8 +18,8 @@ import torch
 
 from cloudckpt.config import S3_MIN_PART_SIZE, CheckpointConfig
 from cloudckpt.errors import StorageError
+from cloudckpt.formats.zarr.layout import tensor_bytes
 from cloudckpt.storage import CheckpointStorage, ReadRequest, crc32c
-from cloudckpt.strategies._zarr_format import tensor_bytes
 from tests.fixtures_object_stores import S3Endpoint, StoreLocation
 
 PART = S3_MIN_PART_SIZE

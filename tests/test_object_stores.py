@@ -25,8 +25,8 @@ from botocore.exceptions import ClientError
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.errors import CheckpointNotFoundError
+from cloudckpt.formats.zarr.layout import tensor_bytes
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
-from cloudckpt.strategies._zarr_format import tensor_bytes
 from tests import servers
 from tests._gcs_emulator_launcher import parse_multipart_related
 from tests.fixtures_object_stores import STORE_CASES, GCSEndpoint, S3Endpoint, bucket_location

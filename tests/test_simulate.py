@@ -13,11 +13,11 @@ import pytest
 
 import cloudckpt
 from cloudckpt.errors import ShardingValidationError
+from cloudckpt.formats.dcp.ranges import TENSOR_DATA_KEY
+from cloudckpt.formats.dcp.storage import read_metadata
 from cloudckpt.manifest import MANIFEST_FNAME, Manifest
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies._dcp_ranges import TENSOR_DATA_KEY
-from cloudckpt.strategies._dcp_storage import read_metadata
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_simulate as sim

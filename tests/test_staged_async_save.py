@@ -17,7 +17,7 @@ import torch
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.strategies._dcp_dist import GuardedDistWrapper
+from cloudckpt.formats.dcp.steps import GuardedDistWrapper
 from cloudckpt.strategies.async_utils import AsyncCallsQueue
 from cloudckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from cloudckpt.strategies.torch import StagedDcpSave, TorchDistSaveShardedStrategy

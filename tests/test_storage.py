@@ -26,6 +26,7 @@ from cloudckpt.errors import (
     InvalidKeyError,
     StorageError,
 )
+from cloudckpt.formats.zarr.layout import tensor_bytes
 from cloudckpt.storage import (
     CheckpointStorage,
     ReadRequest,
@@ -35,7 +36,6 @@ from cloudckpt.storage import (
     validate_relpath,
 )
 from cloudckpt.storage.staging import StagingStorage
-from cloudckpt.strategies._zarr_format import tensor_bytes
 from tests.fixtures_object_stores import STORE_CASES, bucket_location
 
 StoreLocation = tuple[str, dict[str, Any]]

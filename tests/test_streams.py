@@ -1,7 +1,7 @@
 """Objects written front to back into their files (cloudckpt/storage/streams.py) and the
 torch_dist writer on local disks, which serializes its items straight into them
-(cloudckpt/strategies/_dcp_objects.py), and where a ``torch.save`` item keeps its
-elements, read with struct (cloudckpt/strategies/_torch_zip.py).
+(cloudckpt/formats/dcp/objects.py), and where a ``torch.save`` item keeps its
+elements, read with struct (cloudckpt/formats/dcp/torch_zip.py).
 
 * Block checksums fed in pieces equal those of the whole object.
 * A stream's result (size, CRC-32C, block CRCs) is that of the bytes in its file,
@@ -37,15 +37,15 @@ import cloudckpt
 from cloudckpt import ShardedTensor
 from cloudckpt.checker import verify
 from cloudckpt.errors import CheckpointingException, StorageError
+from cloudckpt.formats.dcp.ranges import _storage_record_zipfile, storage_record
+from cloudckpt.formats.dcp.storage import CloudStorageWriter
+from cloudckpt.formats.dcp.torch_zip import ZipLayoutError, find_storage
 from cloudckpt.manifest import MANIFEST_FNAME, Manifest
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.storage.blocks import BlockChecksummer, object_checksum
 from cloudckpt.storage.buffers import Progress
 from cloudckpt.storage.staging import StagingStorage
 from cloudckpt.storage.streams import SMALL_WRITE, ObjectStream
-from cloudckpt.strategies._dcp_ranges import _storage_record_zipfile, storage_record
-from cloudckpt.strategies._dcp_storage import CloudStorageWriter
-from cloudckpt.strategies._torch_zip import ZipLayoutError, find_storage
 from cloudckpt.strategies.torch import _PackedObjectsSavePlanner, dcp_save
 
 KiB = 1024
@@ -149,7 +149,7 @@ def test_a_streamed_torch_dist_save_logs_its_progress(
     state = {"big": ShardedTensor.from_rank_offsets("big", torch.randn(512, 1024))}
     quick = functools.partial(Progress, interval=0.0)
     with (
-        patch("cloudckpt.strategies._dcp_storage.Progress", quick),
+        patch("cloudckpt.formats.dcp.storage.Progress", quick),
         caplog.at_level(logging.INFO, logger="cloudckpt.storage.buffers"),
     ):
         cloudckpt.save(state, str(tmp_path / "ckpt"), sharded_strategy=("torch_dist", 1))

@@ -24,10 +24,10 @@ from cloudckpt.errors import (
     StorageError,
     UnexpectedKeysError,
 )
+from cloudckpt.formats.dcp.objects import ITEM_OVERHEAD
+from cloudckpt.formats.dcp.storage import CloudStorageReader, CloudStorageWriter
 from cloudckpt.manifest import Manifest
 from cloudckpt.storage import CheckpointStorage
-from cloudckpt.strategies._dcp_objects import ITEM_OVERHEAD
-from cloudckpt.strategies._dcp_storage import CloudStorageReader, CloudStorageWriter
 from cloudckpt.strategies.base import get_default_strategy
 from cloudckpt.strategies.torch import (
     TorchDistLoadShardedStrategy,

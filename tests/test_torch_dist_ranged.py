@@ -40,18 +40,18 @@ import cloudckpt
 from cloudckpt import ShardedTensor
 from cloudckpt.commit import amend_manifest, open_committed
 from cloudckpt.errors import CorruptObjectError
-from cloudckpt.storage import CheckpointStorage
-from cloudckpt.storage.blocks import BLOCK_SIZE
-from cloudckpt.storage.pool import process_stats
-from cloudckpt.storage.retry import RequestStats
-from cloudckpt.strategies._dcp_ranges import (
+from cloudckpt.formats.dcp.ranges import (
     TENSOR_DATA_KEY,
     element_runs,
     read_box,
     storage_record,
 )
-from cloudckpt.strategies._dcp_reader import DcpCheckpoint
-from cloudckpt.strategies._dcp_storage import METADATA_FNAME, read_metadata
+from cloudckpt.formats.dcp.reader import DcpCheckpoint
+from cloudckpt.formats.dcp.storage import METADATA_FNAME, read_metadata
+from cloudckpt.storage import CheckpointStorage
+from cloudckpt.storage.blocks import BLOCK_SIZE
+from cloudckpt.storage.pool import process_stats
+from cloudckpt.storage.retry import RequestStats
 
 MiB = 2**20
 BLOCK = BLOCK_SIZE  # 1 MiB: a checked range is widened to whole CRC blocks
@@ -407,7 +407,7 @@ def test_an_unresharded_load_reads_the_elements_straight_into_the_tensor(
     def no_torch_load(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the item was decoded with torch.load")
 
-    monkeypatch.setattr("cloudckpt.strategies._dcp_reader.load_tensor_item", no_torch_load)
+    monkeypatch.setattr("cloudckpt.formats.dcp.reader.load_tensor_item", no_torch_load)
     half = full.numel() * full.element_size() // 2
     for rank, sh in enumerate(_shards("w", shape, 0, 2, dtype, empty=True)):
         loaded, stats = _load_one(checkpoint, sh)

@@ -40,10 +40,10 @@ import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.commit import amend_manifest
 from cloudckpt.errors import CheckpointingException, UnsafePickleError
+from cloudckpt.formats.dcp.storage import CloudStorageReader, CloudStorageWriter, read_metadata
 from cloudckpt.launch import RankPool
 from cloudckpt.safe_pickle import TRUST_ENV, allowed_globals
 from cloudckpt.storage import CheckpointStorage
-from cloudckpt.strategies._dcp_storage import CloudStorageReader, CloudStorageWriter, read_metadata
 from cloudckpt.strategies.common import TorchCommonLoadStrategy
 from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy, dcp_save
 

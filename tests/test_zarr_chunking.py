@@ -23,10 +23,10 @@ import zarr
 
 import cloudckpt
 from cloudckpt import ShardedTensor
+from cloudckpt.formats.zarr.layout import ArrayMeta, shard_chunk_indices, split_chunk_shape
+from cloudckpt.formats.zarr.reader import TensorReader, _direct_reads
 from cloudckpt.launch import RankPool
 from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies._zarr_format import ArrayMeta, shard_chunk_indices, split_chunk_shape
-from cloudckpt.strategies._zarr_reader import TensorReader, _direct_reads
 from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy
 
 # --- split_chunk_shape --------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tests for the zarr v2 format and reader (strategies._zarr_format, _zarr_reader)."""
+"""Tests for the zarr v2 format and reader (formats.zarr.layout, _zarr_reader)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from cloudckpt.errors import (
     CheckpointKeyNotFoundError,
     IncompatibleCheckpointError,
 )
-from cloudckpt.storage import CheckpointStorage
-from cloudckpt.strategies._zarr_format import (
+from cloudckpt.formats.zarr.layout import (
     ArrayMeta,
     bytes_to_tensor,
     decode_chunk,
@@ -31,7 +30,8 @@ from cloudckpt.strategies._zarr_format import (
     row_byte_range,
     tensor_bytes,
 )
-from cloudckpt.strategies._zarr_reader import TensorReader
+from cloudckpt.formats.zarr.reader import TensorReader
+from cloudckpt.storage import CheckpointStorage
 
 ZARRAY_KEYS = {
     "chunks",

@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, 
 
 from cloudckpt import dist
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.formats.dcp.plan import LinearGlobalPlanMixin
+from cloudckpt.formats.dcp.reader import ORIG_SHAPE_KEY
+from cloudckpt.formats.dcp.storage import MCoreMetadata, MCoreSavePlan
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
-from cloudckpt.strategies._dcp_plan import LinearGlobalPlanMixin
-from cloudckpt.strategies._dcp_reader import ORIG_SHAPE_KEY
-from cloudckpt.strategies._dcp_storage import MCoreMetadata, MCoreSavePlan
 from cloudckpt.strategies.checkpointable import (
     CheckpointableShardedTensor,
     LocalShardsContainer,

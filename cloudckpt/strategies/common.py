@@ -64,7 +64,7 @@ def load_dcp_common_state(storage: CheckpointStorage, weights_only: bool | None 
     if not storage.exists(DCP_METADATA_FNAME):
         return None
     # imported here: it loads torch.distributed.checkpoint, which common.pt users never need
-    from cloudckpt.strategies._dcp_reader import (  # noqa: PLC0415
+    from cloudckpt.formats.dcp.reader import (  # noqa: PLC0415
         DcpCheckpoint,
         is_common_state_item,
     )

@@ -18,7 +18,7 @@ forked processes), this one uploads through :class:`~cloudckpt.storage.Checkpoin
 to any URI cloudckpt supports, with the storage pool's concurrency, objects of
 ``object_size`` bytes and no rename; ``path`` may be a URI, a local path or an opened
 storage. The cloudckpt write results (path, size, CRC-32C) of every object are in
-:attr:`~cloudckpt.strategies._dcp_storage.CloudStorageWriter.results` for a manifest.
+:attr:`~cloudckpt.formats.dcp.storage.CloudStorageWriter.results` for a manifest.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from torch.futures import Future
 
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.formats.dcp.objects import BufferedObject
+from cloudckpt.formats.dcp.storage import DEFAULT_OBJECT_SIZE, CloudStorageWriter
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
-from cloudckpt.strategies._dcp_objects import BufferedObject
-from cloudckpt.strategies._dcp_storage import DEFAULT_OBJECT_SIZE, CloudStorageWriter
 from cloudckpt.strategies.base import checkpoint_uri
 
 logger = logging.getLogger(__name__)

@@ -34,6 +34,7 @@ import torch
 
 from cloudckpt.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.formats.dcp.reader import DcpCheckpoint
 from cloudckpt.mapping import (
     ReplicaId,
     ShardedStateDict,
@@ -43,7 +44,6 @@ from cloudckpt.mapping import (
     apply_factory_merges,
 )
 from cloudckpt.storage import CheckpointStorage, open_checkpoint
-from cloudckpt.strategies._dcp_reader import DcpCheckpoint
 from cloudckpt.strategies.base import CheckpointDir, checkpoint_uri
 from cloudckpt.strategies.checkpointable import dcp_global_shape
 

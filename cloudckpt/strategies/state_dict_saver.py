@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from cloudckpt import dist
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.strategies._dcp_dist import GuardedDistWrapper
+from cloudckpt.formats.dcp.steps import GuardedDistWrapper
 from cloudckpt.strategies.filesystem_async import FileSystemWriterAsync
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ then ``metadata.json``) follows. Loading reshards to any requested layout, readi
 only the items that overlap the requested shards (ranged reads).
 
 Loading unpickles ``.metadata`` restricted to DCP's metadata types
-(:mod:`cloudckpt.strategies._dcp_unpickler`) and ShardedObjects as
+(:mod:`cloudckpt.formats.dcp.unpickler`) and ShardedObjects as
 ``torch.load(weights_only=True)`` does with cloudckpt's allow-list
 (:mod:`cloudckpt.safe_pickle`); ``weights_only=False`` or ``CLOUDCKPT_TRUST_PICKLES=1``
 lifts both restrictions, for checkpoints you trust.
@@ -47,6 +47,25 @@ from cloudckpt.commit import amend_manifest
 from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
 from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.formats.dcp.errors import TorchDistSaveError, save_failure
+from cloudckpt.formats.dcp.plan import LinearGlobalPlanMixin
+from cloudckpt.formats.dcp.reader import (
+    ORIG_SHAPE_KEY,
+    DcpCheckpoint,
+    is_common_state_item,
+)
+from cloudckpt.formats.dcp.reader import (  # re-exported: the error a missing key raises
+    TorchDistKeyNotFoundError as TorchDistKeyNotFoundError,  # noqa: PLC0414
+)
+from cloudckpt.formats.dcp.steps import PlannedSave, SavePlanCache, plan_save, save_state_dict
+from cloudckpt.formats.dcp.storage import (
+    METADATA_FNAME,
+    CloudStorageWriter,
+    MCoreMetadata,
+    MCoreSavePlan,
+    merge_metadata,
+)
+from cloudckpt.formats.host_copies import HOST_COPIES
 from cloudckpt.manifest import TensorEntry
 from cloudckpt.mapping import (
     ShardedObject,
@@ -57,25 +76,6 @@ from cloudckpt.mapping import (
 )
 from cloudckpt.safe_pickle import resolve_weights_only
 from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult
-from cloudckpt.strategies._dcp_dist import PlannedSave, SavePlanCache, plan_save, save_state_dict
-from cloudckpt.strategies._dcp_errors import TorchDistSaveError, save_failure
-from cloudckpt.strategies._dcp_plan import LinearGlobalPlanMixin
-from cloudckpt.strategies._dcp_reader import (
-    ORIG_SHAPE_KEY,
-    DcpCheckpoint,
-    is_common_state_item,
-)
-from cloudckpt.strategies._dcp_reader import (  # re-exported: the error a missing key raises
-    TorchDistKeyNotFoundError as TorchDistKeyNotFoundError,  # noqa: PLC0414
-)
-from cloudckpt.strategies._dcp_storage import (
-    METADATA_FNAME,
-    CloudStorageWriter,
-    MCoreMetadata,
-    MCoreSavePlan,
-    merge_metadata,
-)
-from cloudckpt.strategies._host_copies import HOST_COPIES
 from cloudckpt.strategies._torch_async import AsyncDcpSaveMixin
 from cloudckpt.strategies._torch_compat import (
     MCoreLoadPlanner,
@@ -141,7 +141,7 @@ class _PackedObjectsSavePlanner(LinearGlobalPlanMixin):
     instead of being pickled once more. Unlike :class:`MCoreSavePlanner` it leaves the
     metadata a plain DCP ``Metadata`` (the writer adds ``mcore_data``), so that no
     cloudckpt class is pickled into a checkpoint that stock Megatron-Core must read.
-    The coordinator's step is linear (:class:`~cloudckpt.strategies._dcp_plan.
+    The coordinator's step is linear (:class:`~cloudckpt.formats.dcp.plan.
     LinearGlobalPlanMixin`: DCP's plans and metadata, without DCP's per-item costs)."""
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
@@ -433,7 +433,7 @@ def host_copy(
     """This rank's main replicas, each ShardedTensor with a host copy of its data (a
     shallow copy of the ShardedTensor): what an async save serializes later, while the
     training loop changes its own tensors. Device tensors are copied into the buffers
-    :data:`~cloudckpt.strategies._host_copies.HOST_COPIES` keeps (pinned with CUDA,
+    :data:`~cloudckpt.formats.host_copies.HOST_COPIES` keeps (pinned with CUDA,
     reused by the next save once ``lent`` - which gets every copy - is released).
     ShardedObjects are kept as they are (:func:`to_dcp_state_dict` serializes them at
     once)."""

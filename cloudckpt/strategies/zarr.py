@@ -3,7 +3,7 @@
 Byte-compatible with Megatron-Core 0.15's zarr backend: ``<key>/.zarray`` plus one
 object per chunk, the chunk being the local shard shape. A shard larger than the
 strategy's ``chunk_size`` is split into several chunks (a regular grid of smaller
-chunks, see :func:`cloudckpt.strategies._zarr_format.split_chunk_shape`), so that no object is
+chunks, see :func:`cloudckpt.formats.zarr.layout.split_chunk_shape`), so that no object is
 unbounded; every chunk is a contiguous slice of the shard's bytes, written without a
 copy. All ranks derive the same chunk shape from the shared local shape and dtype,
 so no communication is needed. Each main-replica shard is written exactly once, by
@@ -31,11 +31,7 @@ from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
 )
-from cloudckpt.manifest import TensorEntry
-from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from cloudckpt.planning import RankFlatPlan, flat_shard_table, plan_flat_exchange
-from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult, open_checkpoint
-from cloudckpt.strategies._zarr_format import (
+from cloudckpt.formats.zarr.layout import (
     ZARRAY,
     ArrayMeta,
     encode_dtype,
@@ -43,7 +39,11 @@ from cloudckpt.strategies._zarr_format import (
     split_chunk_shape,
     tensor_bytes,
 )
-from cloudckpt.strategies._zarr_reader import TensorReader
+from cloudckpt.formats.zarr.reader import TensorReader
+from cloudckpt.manifest import TensorEntry
+from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from cloudckpt.planning import RankFlatPlan, flat_shard_table, plan_flat_exchange
+from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult, open_checkpoint
 from cloudckpt.strategies.base import (
     LoadShardedStrategy,
     SaveShardedStrategy,

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from cloudckpt.array_utils import stable_order
-from cloudckpt.strategies._dcp_columns import ChunkColumns, PlanColumns, PlanKeys
-from cloudckpt.strategies._dcp_grid import GridChunks, valid_chunks
+from cloudckpt.formats.dcp.columns import ChunkColumns, PlanColumns, PlanKeys
+from cloudckpt.formats.dcp.grid import GridChunks, valid_chunks
 
 _STORAGE = BytesStorageMetadata | TensorStorageMetadata
 #: copying the instance dicts (item, index) is exact only for dataclasses with one
@@ -216,7 +216,7 @@ _SHARD = WriteItemType.SHARD.value
 
 def linear_global_columns(plans: Sequence[PlanColumns]) -> ColumnsGlobalPlan | None:
     """:func:`linear_global_save_plan` on plans sent in columns (:class:`~cloudckpt.
-    strategies._dcp_columns.PlanColumns`): the same ``Metadata`` and index hints, the
+    formats.dcp.columns.PlanColumns`): the same ``Metadata`` and index hints, the
     checks run on arrays (a Python step per item only to look up its key), or None
     where the fast path cannot prove them (the caller then runs DCP's step on
     :meth:`PlanColumns.to_plan`)."""
@@ -379,7 +379,7 @@ def _size_matrix(sizes: Sequence[torch.Size]) -> tuple[Any, Any] | None:
 def _padded(rows: Any, ndim: Any, width: int, fill: int) -> Any:
     """``rows`` of :func:`_size_matrix` (ranks ``ndim``) as ``width`` columns, ``fill``
     past each row's rank: a dimension of one cell (offset 0, size and extent 1) leaves
-    every check of :func:`~cloudckpt.strategies._dcp_grid.valid_chunks` as it is, so
+    every check of :func:`~cloudckpt.formats.dcp.grid.valid_chunks` as it is, so
     tensors of all ranks are checked at once."""
     out = np.full((len(rows), width), fill, dtype=np.int64)
     used = min(width, rows.shape[1])
@@ -485,7 +485,7 @@ class GlobalPlanUpdate:
     Attributes:
         hints: per item of the local plan, its index hint; -1 keeps the item as it is.
         columns: the coordinator knows every item's key from the plans: the rank sends
-            its write results in columns (:mod:`~cloudckpt.strategies._dcp_columns`).
+            its write results in columns (:mod:`~cloudckpt.formats.dcp.columns`).
     """
 
     hints: array.array[int]

@@ -3,7 +3,7 @@
 A requested shard is a box of the global tensor. The reader picks the stored DCP
 chunks overlapping it and reads, of each, the region the batch's shards overlap:
 where cloudckpt recorded where an item's elements lie, only the byte ranges of that
-region (:mod:`cloudckpt.strategies._dcp_ranges`), else the whole item (one ranged
+region (:mod:`cloudckpt.formats.dcp.ranges`), else the whole item (one ranged
 read of the ``.distcp`` object, decoded); all concurrently, through
 :mod:`cloudckpt.storage`. It then copies the overlaps. Tensors stored in the N-D
 flattened layout (see :mod:`cloudckpt.strategies.checkpointable`) are reassembled
@@ -37,10 +37,8 @@ from cloudckpt.errors import (
     MalformedCheckpointError,
     TensorMismatchError,
 )
-from cloudckpt.mapping import ShardedObject, ShardedTensor
-from cloudckpt.storage import CheckpointStorage, ReadRequest
-from cloudckpt.strategies._dcp_metadata_check import check_orig_shape, check_tensor, check_top
-from cloudckpt.strategies._dcp_ranges import (
+from cloudckpt.formats.dcp.metadata_check import check_orig_shape, check_tensor, check_top
+from cloudckpt.formats.dcp.ranges import (
     Box,
     Piece,
     PieceRead,
@@ -55,14 +53,16 @@ from cloudckpt.strategies._dcp_ranges import (
     records_of,
     relative,
 )
-from cloudckpt.strategies._dcp_storage import (
+from cloudckpt.formats.dcp.storage import (
     METADATA_FNAME,
     item_request,
     load_object_item,
     load_tensor_item,
     read_metadata,
 )
-from cloudckpt.strategies._zarr_format import tensor_bytes
+from cloudckpt.formats.zarr.layout import tensor_bytes
+from cloudckpt.mapping import ShardedObject, ShardedTensor
+from cloudckpt.storage import CheckpointStorage, ReadRequest
 from cloudckpt.validation import chunk_shape
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Each tensor item is ``torch.save`` bytes (DCP's format), each bytes item the planner's
 bytes. An object is assembled one of two ways:
 
-* :class:`BufferedObject`: in an :class:`~cloudckpt.strategies._append_buffer.AppendBuffer`
+* :class:`BufferedObject`: in an :class:`~cloudckpt.formats.dcp.append_buffer.AppendBuffer`
   sized from the plan, then written whole (object stores, and async saves, whose
   staging keeps the buffers);
 * :class:`StreamedObject`: straight into its file through an
@@ -11,7 +11,7 @@ bytes. An object is assembled one of two ways:
   goes from its memory to the file with one ``write()``, as with a ``torch.save`` to a
   file, checksummed on the way. Only the zip headers ``torch.save`` writes around it
   are kept (:class:`_ItemHeaders`), to find where the elements lie within the item
-  (:func:`~cloudckpt.strategies._dcp_ranges.storage_record_from`).
+  (:func:`~cloudckpt.formats.dcp.ranges.storage_record_from`).
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.storage import WriteResult
-from cloudckpt.storage.buffers import Buffer, as_bytes_view
-from cloudckpt.storage.streams import SMALL_WRITE, ObjectStream, UploadStream
-from cloudckpt.strategies._append_buffer import AppendBuffer
-from cloudckpt.strategies._dcp_ranges import (
+from cloudckpt.formats.dcp.append_buffer import AppendBuffer
+from cloudckpt.formats.dcp.item_templates import ItemTemplates
+from cloudckpt.formats.dcp.ranges import (
     RecordedStorageInfo,
     storage_record,
     storage_record_from,
 )
-from cloudckpt.strategies._host_copies import HOST_COPIES
-from cloudckpt.strategies._item_templates import ItemTemplates
+from cloudckpt.formats.host_copies import HOST_COPIES
+from cloudckpt.storage import WriteResult
+from cloudckpt.storage.buffers import Buffer, as_bytes_view
+from cloudckpt.storage.streams import SMALL_WRITE, ObjectStream, UploadStream
 
 ITEM_OVERHEAD = 2048  # torch.save's zip records around a tensor's bytes: 1.55-1.58 KB (torch 2.13)
 
@@ -132,7 +132,7 @@ class BufferedObject:
     ) -> RecordedStorageInfo:
         """Append one resolved write item; returns where it lies in the object (and,
         for a tensor, where its elements lie within the item: see
-        :mod:`cloudckpt.strategies._dcp_ranges`). A tensor of a layout seen before
+        :mod:`cloudckpt.formats.dcp.ranges`). A tensor of a layout seen before
         is written from ``templates``."""
         offset = self.size
         record = None
@@ -212,7 +212,7 @@ class StreamedObject:
 class _ItemHeaders(io.RawIOBase):
     """Passes one ``torch.save`` item on to a stream, keeping a copy of its small
     writes (the zip headers and directory, and small tensors' bytes) by offset within
-    the item: what :func:`~cloudckpt.strategies._torch_zip.find_storage` reads.
+    the item: what :func:`~cloudckpt.formats.dcp.torch_zip.find_storage` reads.
 
     The stream's first error is kept and raised by :meth:`save`: ``torch.save``'s zip
     writer does not pass on an exception of its write callback, it fails later with an

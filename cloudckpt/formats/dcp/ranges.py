@@ -3,7 +3,7 @@
 A tensor item of a DCP checkpoint is ``torch.save`` bytes: a zip archive whose one
 storage record (``<archive>/data/0``) holds the tensor's elements uncompressed, in C
 order (cloudckpt saves contiguous tensors that own exactly their storage, see
-:func:`~cloudckpt.strategies._host_copies.to_host`). When cloudckpt writes an item it
+:func:`~cloudckpt.formats.host_copies.to_host`). When cloudckpt writes an item it
 finds where that record's bytes lie within the item (:func:`storage_record`), and the
 coordinator keeps these records per key in ``Metadata.mcore_data[key]`` under
 :data:`TENSOR_DATA_KEY` (:func:`with_records`): ``{chunk offsets: (start, nbytes)}``.
@@ -42,11 +42,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 from cloudckpt.config import MiB
+from cloudckpt.formats.dcp.torch_zip import Reader, ZipLayoutError, find_storage
+from cloudckpt.formats.zarr.layout import bytes_to_tensor
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import ReadRequest
 from cloudckpt.storage.buffers import BufferReader
-from cloudckpt.strategies._torch_zip import Reader, ZipLayoutError, find_storage
-from cloudckpt.strategies._zarr_format import bytes_to_tensor
 from cloudckpt.validation import chunk_shape
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def storage_record(item: memoryview) -> Record | None:
     record (several storages, a compressed record) or the machine is big-endian.
 
     Read from the zip directory with :mod:`struct`
-    (:func:`~cloudckpt.strategies._torch_zip.find_storage`); an archive laid out
+    (:func:`~cloudckpt.formats.dcp.torch_zip.find_storage`); an archive laid out
     otherwise than expected is read with ``zipfile`` instead."""
 
     def read(offset: int, nbytes: int) -> memoryview:

@@ -23,9 +23,7 @@ from cloudckpt.errors import (
     CheckpointNotFoundError,
     TensorMismatchError,
 )
-from cloudckpt.mapping import ShardedTensor
-from cloudckpt.storage import CheckpointStorage, ReadRequest
-from cloudckpt.strategies._zarr_format import (
+from cloudckpt.formats.zarr.layout import (
     ZARRAY,
     ArrayMeta,
     ChunkOverlap,
@@ -35,6 +33,8 @@ from cloudckpt.strategies._zarr_format import (
     row_byte_range,
     tensor_bytes,
 )
+from cloudckpt.mapping import ShardedTensor
+from cloudckpt.storage import CheckpointStorage, ReadRequest
 from cloudckpt.validation import chunk_shape
 
 logger = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ def _direct_reads(sh: ShardedTensor, meta: ArrayMeta) -> list[_DirectRead] | Non
     request is one contiguous range both of the chunk and of the result - as when
     request and chunks differ only along axis 0 (an unchanged layout, a resharding
     along axis 0, flattened optimizer state) or when a shard was split into chunks
-    (see :func:`cloudckpt.strategies._zarr_format.split_chunk_shape`) and is read back whole.
+    (see :func:`cloudckpt.formats.zarr.layout.split_chunk_shape`) and is read back whole.
     Then each overlap is one read, and of a flattened request only the requested
     elements are read.
     """

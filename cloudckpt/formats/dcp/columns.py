@@ -9,7 +9,7 @@ writer is cloudckpt's own, a rank sends :class:`ItemResultColumns` instead: per 
 its plan, in plan order, an id into its object paths, the item's offset and length in
 its object and where its tensor elements lie (the record); the coordinator joins them
 with the items' keys (:class:`PlanKeys`) into :class:`StorageColumns`, from which
-:func:`~cloudckpt.strategies._dcp_metadata_pickle.dumps_metadata_columns` writes
+:func:`~cloudckpt.formats.dcp.metadata_pickle.dumps_metadata_columns` writes
 ``.metadata`` without building the per-item objects. The pickle unpickles to the
 ``Metadata`` DCP's own step writes.
 
@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 from cloudckpt.array_utils import stable_order
-from cloudckpt.strategies._dcp_ranges import RecordedStorageInfo
+from cloudckpt.formats.dcp.ranges import RecordedStorageInfo
 
 #: a record table: per chunk offsets, (start, nbytes) of its elements within the item
 RecordTable = dict[tuple[int, ...], tuple[int, int]]
@@ -182,7 +182,7 @@ class StorageColumns:
     """``Metadata.storage_data`` in columns, every rank's items one after another, as
     ids into tables: each item's key (fqn id, offset id, index hint; -1: None) and its
     storage info (path id, offset, length). The pickle writer (:func:`~cloudckpt.
-    strategies._dcp_metadata_pickle.dumps_metadata_columns`) reads these."""
+    formats.dcp.metadata_pickle.dumps_metadata_columns`) reads these."""
 
     names: list[str]
     sizes: list[torch.Size]

@@ -6,7 +6,7 @@ data objects, each a concatenation of items - tensors as ``torch.save`` bytes, o
 values as the bytes the planner produced - whose offsets and lengths ``.metadata``
 records. So DCP's own ``FileSystemReader`` reads what this writer wrote. Where each
 tensor item's elements lie within its ``torch.save`` bytes is recorded too, in
-``mcore_data`` (:mod:`cloudckpt.strategies._dcp_ranges`), so that a resharded load can
+``mcore_data`` (:mod:`cloudckpt.formats.dcp.ranges`), so that a resharded load can
 read just the part of an item it needs.
 
 On local disks and on S3 the objects are written front to back as they are serialized
@@ -63,12 +63,7 @@ from cloudckpt.errors import (
     MalformedCheckpointError,
     UnsafePickleError,
 )
-from cloudckpt.huge_pages import without_huge_page_advice
-from cloudckpt.safe_pickle import load_torch_pickle
-from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
-from cloudckpt.storage.blocks import BLOCK_SIZE
-from cloudckpt.storage.buffers import Progress
-from cloudckpt.strategies._dcp_columns import (
+from cloudckpt.formats.dcp.columns import (
     ChunkColumns,
     ItemResultColumns,
     PlanKeys,
@@ -77,10 +72,11 @@ from cloudckpt.strategies._dcp_columns import (
     as_write_results,
     join_columns,
 )
-from cloudckpt.strategies._dcp_extra import PickledExtra, merge_extras
-from cloudckpt.strategies._dcp_metadata_check import check_storage_info
-from cloudckpt.strategies._dcp_metadata_pickle import dumps_metadata, dumps_metadata_columns
-from cloudckpt.strategies._dcp_objects import (
+from cloudckpt.formats.dcp.extra import PickledExtra, merge_extras
+from cloudckpt.formats.dcp.item_templates import ItemTemplates
+from cloudckpt.formats.dcp.metadata_check import check_storage_info
+from cloudckpt.formats.dcp.metadata_pickle import dumps_metadata, dumps_metadata_columns
+from cloudckpt.formats.dcp.objects import (
     BufferedObject,
     DcpObject,
     StreamedObject,
@@ -88,9 +84,13 @@ from cloudckpt.strategies._dcp_objects import (
     planned_size,
     without_zip_crc32,
 )
-from cloudckpt.strategies._dcp_ranges import TENSOR_DATA_KEY, RecordedStorageInfo, plain_info
-from cloudckpt.strategies._dcp_unpickler import load_dcp_metadata
-from cloudckpt.strategies._item_templates import ItemTemplates
+from cloudckpt.formats.dcp.ranges import TENSOR_DATA_KEY, RecordedStorageInfo, plain_info
+from cloudckpt.formats.dcp.unpickler import load_dcp_metadata
+from cloudckpt.huge_pages import without_huge_page_advice
+from cloudckpt.safe_pickle import load_torch_pickle
+from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
+from cloudckpt.storage.blocks import BLOCK_SIZE
+from cloudckpt.storage.buffers import Progress
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -309,8 +309,8 @@ class CloudStorageWriter(StorageWriter):
         :class:`MCoreMetadata`, is unwrapped: no cloudckpt class is pickled into a
         checkpoint that other readers must unpickle) with the merged ``mcore_data``,
         which also records where each tensor item's elements lie within the item
-        (:data:`~cloudckpt.strategies._dcp_ranges.TENSOR_DATA_KEY`, as
-        :func:`~cloudckpt.strategies._dcp_ranges.with_records` merges them).
+        (:data:`~cloudckpt.formats.dcp.ranges.TENSOR_DATA_KEY`, as
+        :func:`~cloudckpt.formats.dcp.ranges.with_records` merges them).
 
         One pass over the item results builds ``storage_data`` and the records; equal
         offsets and sizes are made one object (:func:`_share_sizes`), so that the pickle
@@ -340,14 +340,14 @@ class CloudStorageWriter(StorageWriter):
         results: Sequence[ItemResultColumns | list[DcpWriteResult]],
         chunks: ChunkColumns | None = None,
     ) -> None:
-        """:meth:`finish` for results sent in columns (:mod:`~cloudckpt.strategies.
-        _dcp_columns`), ``keys`` naming each rank's items: ``.metadata`` is written from
-        the columns (:func:`~cloudckpt.strategies._dcp_metadata_pickle.
+        """:meth:`finish` for results sent in columns (:mod:`~cloudckpt.formats.
+        dcp.columns`), ``keys`` naming each rank's items: ``.metadata`` is written from
+        the columns (:func:`~cloudckpt.formats.dcp.metadata_pickle.
         dumps_metadata_columns`), the same ``Metadata`` when unpickled, without the
         per-item objects; with ``chunks`` (the coordinator's step on columns) the
         metadata's chunk lists too. :attr:`metadata` then holds the global metadata without
         ``storage_data`` (None), :attr:`storage_columns` its columns; its chunk lists stay
-        empty where ``chunks`` wrote them (:meth:`~cloudckpt.strategies._dcp_columns.
+        empty where ``chunks`` wrote them (:meth:`~cloudckpt.formats.dcp.columns.
         ChunkColumns.fill` fills them), and so do the record tables of its ``mcore_data``
         (:attr:`record_columns`, whose ``fill`` fills them). Where a rank sent
         objects, or no ``.metadata`` is written (``write_metadata=False``: the
@@ -454,7 +454,7 @@ _FAST_INFO = not hasattr(_StorageInfo, "__slots__") and [f.name for f in fields(
 
 
 def _plain_info(info: RecordedStorageInfo) -> _StorageInfo:
-    """DCP's ``_StorageInfo`` of ``info`` (:func:`~cloudckpt.strategies._dcp_ranges.
+    """DCP's ``_StorageInfo`` of ``info`` (:func:`~cloudckpt.formats.dcp.ranges.
     plain_info`), its instance dict as the constructor makes it, without calling it."""
     if not _FAST_INFO:
         return plain_info(info)  # type: ignore[no-any-return]
@@ -518,7 +518,7 @@ _MCORE_ALIASES: dict[tuple[str, str], Any] = {
 
 def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) -> Metadata:
     """The checkpoint's DCP ``.metadata``, unpickled restricted to DCP's metadata types
-    unless trusted (:mod:`cloudckpt.strategies._dcp_unpickler`).
+    unless trusted (:mod:`cloudckpt.formats.dcp.unpickler`).
 
     Raises:
         CheckpointNotFoundError: there is none.

@@ -1,7 +1,7 @@
 """The fields of a DCP ``.metadata`` checked for their types before the reader uses
 them (pure, no I/O).
 
-The restricted unpickler (:mod:`cloudckpt.strategies._dcp_unpickler`) admits only DCP's
+The restricted unpickler (:mod:`cloudckpt.formats.dcp.unpickler`) admits only DCP's
 metadata classes, but their fields can hold anything a pickle can: a ``.metadata``
 whose ``state_dict_metadata`` is None, or a chunk's offsets a dict, would otherwise
 fail deep in the reader with a raw ``TypeError`` or ``AttributeError``. Each check

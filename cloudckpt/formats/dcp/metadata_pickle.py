@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from cloudckpt.strategies._dcp_columns import ChunkColumns, RecordColumns, StorageColumns
+from cloudckpt.formats.dcp.columns import ChunkColumns, RecordColumns, StorageColumns
 
 PROTOCOL = 4  # pickle.dumps's default protocol here: what the writer wrote before
 _INT32 = (-(1 << 31), (1 << 31) - 1)

@@ -10,19 +10,19 @@ name the lost rank (:mod:`cloudckpt.dist_guard`). :func:`save_state_dict` runs D
 plan / write / finish steps with it.
 
 The coordinator scatters each rank only what its step changed in that rank's local
-plan (:class:`~cloudckpt.strategies._dcp_plan.GlobalPlanUpdate`: the items' index
+plan (:class:`~cloudckpt.formats.dcp.plan.GlobalPlanUpdate`: the items' index
 hints and the writer's storage data) where that is all it changed, instead of the
 whole global plan: a few bytes per item, not growing with the world size.
 
 With cloudckpt's own planner and writer (the common case, :func:`plans_in_columns`)
-the ranks send their local plans in columns (:class:`~cloudckpt.strategies.
-_dcp_columns.PlanColumns`: keys once, ids into the rank's distinct sizes and
+the ranks send their local plans in columns (:class:`~cloudckpt.formats.
+dcp.columns.PlanColumns`: keys once, ids into the rank's distinct sizes and
 properties) instead of pickled ``WriteItem`` s; the coordinator plans them on arrays
-(:func:`~cloudckpt.strategies._dcp_plan.linear_global_columns`: the same ``Metadata``
+(:func:`~cloudckpt.formats.dcp.plan.linear_global_columns`: the same ``Metadata``
 and index hints as DCP's step), keeps every rank's item keys, and asks the ranks for
-their write results in columns (:class:`~cloudckpt.strategies._dcp_columns.
+their write results in columns (:class:`~cloudckpt.formats.dcp.columns.
 ItemResultColumns`), from which the writer pickles ``.metadata`` without building the
-per-item objects (:meth:`~cloudckpt.strategies._dcp_storage.CloudStorageWriter.
+per-item objects (:meth:`~cloudckpt.formats.dcp.storage.CloudStorageWriter.
 finish_columns`). Anything the columns cannot prove (a duplicate, chunks off a grid,
 an item of another shape) goes to the object path and DCP's own step, and a custom
 planner or writer (Megatron-Core's, a subclass overriding a step) always takes it.
@@ -50,20 +50,20 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from cloudckpt import dist
-from cloudckpt.huge_pages import without_huge_page_advice
-from cloudckpt.strategies._dcp_columns import (
+from cloudckpt.formats.dcp.columns import (
     ChunkColumns,
     ItemResultColumns,
     PlanColumns,
     PlanKeys,
 )
-from cloudckpt.strategies._dcp_plan import (
+from cloudckpt.formats.dcp.plan import (
     GlobalPlanUpdate,
     LinearGlobalPlanMixin,
     apply_global_plan_update,
     global_plan_updates,
 )
-from cloudckpt.strategies._dcp_storage import CloudStorageWriter
+from cloudckpt.formats.dcp.storage import CloudStorageWriter
+from cloudckpt.huge_pages import without_huge_page_advice
 
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class PlannedSave:
 
     def write(self) -> Any:
         """Serialize and upload this rank's items; their DCP write results (in columns,
-        :class:`~cloudckpt.strategies._dcp_columns.ItemResultColumns`, where the
+        :class:`~cloudckpt.formats.dcp.columns.ItemResultColumns`, where the
         coordinator asked for them and they say the results exactly)."""
         pending = self.writer.write_data(self.plan, self.planner)
         pending.wait()
@@ -348,7 +348,7 @@ def create_global_plan(
     planner: SavePlanner, writer: StorageWriter, plans: list[SavePlan]
 ) -> tuple[list[SavePlan], Metadata]:
     """The planner's global plans and metadata: without the index hints on the items
-    (:meth:`~cloudckpt.strategies._dcp_plan.LinearGlobalPlanMixin.
+    (:meth:`~cloudckpt.formats.dcp.plan.LinearGlobalPlanMixin.
     create_global_plan_unhinted`, the ranks set them from the scattered updates) where
     the writer's ``prepare_global_plan`` is known to keep the items (cloudckpt's)."""
     if isinstance(planner, LinearGlobalPlanMixin) and keeps_plan_items(writer):
@@ -365,7 +365,7 @@ def keeps_plan_items(writer: StorageWriter) -> bool:
 
 def writes_columns(writer: StorageWriter) -> bool:
     """Whether ``writer`` is cloudckpt's own writer, whose steps the columns of
-    :mod:`~cloudckpt.strategies._dcp_columns` say exactly: not a subclass that
+    :mod:`~cloudckpt.formats.dcp.columns` say exactly: not a subclass that
     overrides how it plans, writes or finishes."""
     cls = type(writer)
     return (
@@ -378,7 +378,7 @@ def writes_columns(writer: StorageWriter) -> bool:
 
 def plans_in_columns(planner: SavePlanner, writer: StorageWriter) -> bool:
     """Whether the ranks send their local plans in columns (:class:`~cloudckpt.
-    strategies._dcp_columns.PlanColumns`): the planner's coordinator step is
+    formats.dcp.columns.PlanColumns`): the planner's coordinator step is
     cloudckpt's linear one, not overridden (a custom planner, such as Megatron-Core's,
     gets its own step on the plans as objects), and the writer is cloudckpt's own."""
     if not isinstance(planner, LinearGlobalPlanMixin):

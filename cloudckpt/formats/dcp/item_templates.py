@@ -3,7 +3,7 @@
 ``torch.save`` of a plain CPU tensor that owns its storage writes a zip archive whose
 bytes depend only on the tensor's layout (dtype, shape, strides, storage size) and on
 its elements, which fill one record: the writer switches off torch's zip CRC-32
-(:func:`~cloudckpt.strategies._dcp_objects.without_zip_crc32`), so no header holds
+(:func:`~cloudckpt.formats.dcp.objects.without_zip_crc32`), so no header holds
 a checksum of the elements. Only the ``.data/serialization_id`` record differs from
 one archive to the next (an id no reader checks: ``torch.load``, PyTorch DCP and
 Megatron-Core ignore it). A training state holds many tensors of few layouts (every
@@ -28,8 +28,8 @@ from typing import Protocol
 
 import torch
 
+from cloudckpt.formats.dcp.ranges import Record
 from cloudckpt.storage.buffers import Buffer
-from cloudckpt.strategies._dcp_ranges import Record
 
 Layout = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]
 
