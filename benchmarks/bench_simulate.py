@@ -41,6 +41,18 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
   ``tensor_piece``) is not timed. Objects larger than one block carry (made-up) block
   CRCs, as real write results do.
 
+With ``--global-step dcp`` (``both``: a row of each) the torch_dist ``plan`` step is DCP's
+own coordinator step on the same layouts instead: every rank's local plan of DCP's
+``DefaultSavePlanner`` (storing bytes items as cloudckpt's planner does) as objects, the
+planner's ``create_global_plan``, the writer's ``prepare_global_plan``, the whole global
+plans scattered, every rank's item results as objects gathered and the writer's
+``finish`` (``.metadata`` into ``memory://``): what a save takes with a planner on which
+the fast path is off. A second table splits the torch_dist ``plan`` step into the plan
+collective (``plan``: the local plans' gather, the global step, the scatter) and the
+finish (``finish``: the item results' gather, ``.metadata``), with the bytes a rank sends
+and receives in them and the process's peak RSS when the row was done (the largest so
+far in the run: one row per run for a row's own).
+
 Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
 to one core, so other load on the machine stretches wall time, not these figures),
 microseconds per (rank x tensor) of their total (constant when the steps grow linearly),
@@ -60,7 +72,11 @@ Each row's line also says how much of its time the kernel took (``ru_stime``; wi
 arrays, whose cost depends on the host's transparent huge page settings and on numpy
 advising huge pages for arrays of 4 MiB and more (``NUMPY_MADVISE_HUGEPAGE``, read at
 import): the first line prints both. Where ``defrag`` is ``madvise``, an advised fault
-may wait for the kernel to compact memory (numpy/numpy#31590).
+may wait for the kernel to compact memory (numpy/numpy#31590). cloudckpt turns that
+advice off in its coordinator steps (``cloudckpt.huge_pages.without_huge_page_advice``);
+``--no-huge-page-switch`` leaves it as the process has it there (as
+``NUMPY_MADVISE_HUGEPAGE=1`` in the environment does). ``--rss-limit-gib`` stops the run
+(exit status 3) once its resident set passes that size.
 """
 
 from __future__ import annotations
@@ -76,6 +92,8 @@ import os
 import pickle
 import re
 import resource
+import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -83,17 +101,23 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
+from cloudckpt import huge_pages
 from cloudckpt.commit import COORDINATOR, build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
 from cloudckpt.formats.dcp.columns import ItemResultColumns, PlanColumns
-from cloudckpt.formats.dcp.plan import apply_global_plan_update
+from cloudckpt.formats.dcp.plan import apply_global_plan_update, global_plan_updates
 from cloudckpt.formats.dcp.ranges import RecordedStorageInfo
-from cloudckpt.formats.dcp.steps import global_step_columns, plans_in_columns
+from cloudckpt.formats.dcp.steps import (
+    create_global_plan,
+    global_step_columns,
+    plans_in_columns,
+)
 from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.formats.zarr.layout import ZARRAY, shard_chunk_indices
 from cloudckpt.huge_pages import numpy_advises_huge_pages
@@ -123,6 +147,7 @@ WEIGHTS = (  # (name, local shape for hidden size h and TP, axis split over TP o
 )
 MOMENTS = ("exp_avg", "exp_avg_sq")
 URI = "s3://simulated/ckpt"
+GLOBAL_STEPS = ("columns", "dcp")
 _pickled = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)  # as dist_objects
 
 
@@ -222,7 +247,19 @@ class Row:
     tp: int
     pp: int
     dp: int
+    global_step: str = ""
+    """torch_dist: the coordinator's step, ``columns`` (cloudckpt's fast path) or ``dcp``
+    (DCP's own, on the plans as objects)."""
     seconds: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, float] = field(default_factory=dict)
+    """torch_dist: the ``plan`` step's seconds by part: ``plan`` (the local plans'
+    gather, the global step, the scatter, the coordinator's own plan) and ``finish``
+    (the item results' gather and ``.metadata``), each also by its pieces
+    (``plan.gather``, ``plan.global``, ``plan.scatter``, ``finish.gather``,
+    ``finish.metadata``)."""
+    peak_rss: int = 0
+    """The process's peak resident set size (bytes) when the row was done: the largest
+    of this row's and any earlier row's in the same run."""
     kernel_seconds: dict[str, float] = field(default_factory=dict)
     """Of ``seconds``, the time in the kernel (mostly faulting in new arrays' pages)."""
     bytes_per_rank: dict[str, int] = field(default_factory=dict)
@@ -255,12 +292,18 @@ class Row:
         return self.total / (self.ranks * self.tensors) * 1e6
 
 
-def _timed(row: Row, step: str, fn: Callable[[], _T]) -> _T:
+def _timed(row: Row, step: str, fn: Callable[[], _T], part: str | None = None) -> _T:
+    """``fn()``, its CPU seconds added to ``step`` (and to ``part`` and the part's
+    first component in :attr:`Row.parts`, e.g. ``plan.global`` and ``plan``)."""
     kernel = _kernel_seconds()
     started = time.process_time()  # this process's CPU time: robust on a shared machine
     out = fn()
-    row.seconds[step] = row.seconds.get(step, 0.0) + time.process_time() - started
+    spent = time.process_time() - started
+    row.seconds[step] = row.seconds.get(step, 0.0) + spent
     row.kernel_seconds[step] = row.kernel_seconds.get(step, 0.0) + _kernel_seconds() - kernel
+    if part is not None:
+        for name in {part, part.split(".")[0]}:
+            row.parts[name] = row.parts.get(name, 0.0) + spent
     return out
 
 
@@ -284,7 +327,9 @@ def memory_settings() -> str:
     return f"transparent huge pages: {' '.join(thp)}; numpy advises huge pages: {advised}"
 
 
-def _exchange(row: Row, step: str, name: str, payloads: Iterable[Any]) -> list[Any]:
+def _exchange(
+    row: Row, step: str, name: str, payloads: Iterable[Any], part: str | None = None
+) -> list[Any]:
     """Pickle each rank's payload (its bytes are what it sends), unpickle it (timed, as
     a receiving rank of ``all_gather_object`` does)."""
     out = []
@@ -292,17 +337,27 @@ def _exchange(row: Row, step: str, name: str, payloads: Iterable[Any]) -> list[A
     for payload in payloads:
         raw = _pickled(payload)
         row.bytes_per_rank[name] = max(row.bytes_per_rank.get(name, 0), len(raw))
-        out.append(_timed(row, step, functools.partial(pickle.loads, raw)))
+        out.append(_timed(row, step, functools.partial(pickle.loads, raw), part))
     return out
 
 
 def simulate(
-    backend: str, world: World, tensors: int, validate: bool = True, pause_gc: bool = True
+    backend: str,
+    world: World,
+    tensors: int,
+    validate: bool = True,
+    pause_gc: bool = True,
+    global_step: str = "columns",
 ) -> Row:
     """Run the world-size-dependent steps of one save by ``backend`` for ``world``;
     ``pause_gc``: with the garbage collector paused where cloudckpt pauses it
-    (:func:`cloudckpt.dist.paused_gc`: the gathers and the checks of what they gather)."""
-    row = Row(backend, world.size, tensors, world.tp, world.pp, world.dp)
+    (:func:`cloudckpt.dist.paused_gc`: the gathers and the checks of what they gather);
+    ``global_step`` (torch_dist): ``columns`` (cloudckpt's fast path) or ``dcp`` (DCP's
+    own step on the plans as objects, :func:`_dcp_own_steps`)."""
+    if global_step not in GLOBAL_STEPS:
+        raise ValueError(f"global_step {global_step!r}: one of {GLOBAL_STEPS}")
+    step = global_step if backend == "torch_dist" else ""
+    row = Row(backend, world.size, tensors, world.tp, world.pp, world.dp, step)
     shards_of = rank_shards(world, tensors)
     tables = [ShardTable.of(shards_of(r)) for r in range(world.size)]  # each rank's payload
     with _paused(pause_gc):  # SaveSession._prepare
@@ -313,13 +368,21 @@ def simulate(
         gathered.clear()
     if backend == "zarr":
         records = _zarr_steps(row, world, shards_of, pause_gc)
+    elif global_step == "dcp":
+        records = _dcp_own_steps(row, world, shards_of, pause_gc)
     else:
         records = _torch_dist_steps(row, world, shards_of, pause_gc)
     with _paused(pause_gc):  # commit
         manifest = merge(row, records, backend)
     row.objects = len(manifest.objects)
     row.artifacts["manifest"] = manifest
+    row.peak_rss = peak_rss()
     return row
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size so far, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
 
 
 def merge(row: Row, records: list[Any], backend: str) -> Manifest:
@@ -431,16 +494,18 @@ def _assembled(
     return {(sh.key, index) for row, (sh, index) in enumerate(local) if row not in sent}
 
 
-def _scatter(row: Row, step: str, name: str, payloads: list[Any]) -> list[Any]:
+def _scatter(
+    row: Row, step: str, name: str, payloads: list[Any], part: str | None = None
+) -> list[Any]:
     """Pickle each rank's payload (timed: the coordinator pickles all of them in
     ``scatter_object``); a rank receives the longest (the scatter pads to it) and the
     sizes (8 bytes per rank); unpickle each (the coordinator's own timed: every rank
     unpickles its own at once)."""
     gc.collect()
-    raws = [_timed(row, step, functools.partial(_pickled, p)) for p in payloads]
+    raws = [_timed(row, step, functools.partial(_pickled, p), part) for p in payloads]
     row.bytes_received[name] = max(len(r) for r in raws) + 8 * len(raws)
     out = [pickle.loads(r) for r in raws[1:]]
-    return [_timed(row, step, functools.partial(pickle.loads, raws[0])), *out]
+    return [_timed(row, step, functools.partial(pickle.loads, raws[0]), part), *out]
 
 
 def zarr_writes(
@@ -489,7 +554,6 @@ def _result(path: str, size: int) -> WriteResult:
 def _torch_dist_steps(
     row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
 ) -> list[Any]:
-    strategy = TorchDistSaveShardedStrategy()
     storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
     writer, coordinator, local = dcp_local_step(0, shards_of(0), storage)
 
@@ -505,16 +569,22 @@ def _torch_dist_steps(
         return plan.to_plan() if isinstance(plan, PlanColumns) else plan
 
     with _paused(pause_gc):  # plan_save's gather, global step and scatter
-        gathered = _exchange(row, "plan", "dcp_plan", (sent_plan(r) for r in range(world.size)))
-        fast = _timed(row, "plan", lambda: global_step_columns(coordinator, writer, gathered))
+        sent = (sent_plan(r) for r in range(world.size))
+        gathered = _exchange(row, "plan", "dcp_plan", sent, "plan.gather")
+        fast = _timed(
+            row,
+            "plan",
+            lambda: global_step_columns(coordinator, writer, gathered),
+            "plan.global",
+        )
         if fast is None:
             raise SystemExit("torch_dist: the coordinator's step on columns did not apply")
         metadata, keys, scattered, chunks = fast
         gathered.clear()
-        updates = _scatter(row, "plan", "dcp_plans", scattered)
+        updates = _scatter(row, "plan", "dcp_plans", scattered, "plan.scatter")
         # every rank expands its own update at once: the coordinator's is timed
         expand = functools.partial(apply_global_plan_update, local, updates[0])
-        _timed(row, "plan", expand)
+        _timed(row, "plan", expand, "plan.scatter")
     paths: list[list[str]] = []
 
     def sent_results(rank: int) -> Any:  # what PlannedSave.write returns
@@ -526,11 +596,42 @@ def _torch_dist_steps(
 
     with _paused(pause_gc):  # save_state_dict's gather and finish
         results = _exchange(
-            row, "plan", "dcp_results", (sent_results(r) for r in range(world.size))
+            row,
+            "plan",
+            "dcp_results",
+            (sent_results(r) for r in range(world.size)),
+            "finish.gather",
         )
-        _timed(row, "plan", lambda: writer.finish_columns(metadata, keys, results, chunks))
+        _timed(
+            row,
+            "plan",
+            lambda: writer.finish_columns(metadata, keys, results, chunks),
+            "finish.metadata",
+        )
         results.clear()
     row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
+    storage.delete(METADATA_FNAME)
+    return _records_of(world, shards_of, paths, writer)
+
+
+class StockPackedObjectsSavePlanner(DefaultSavePlanner):
+    """cloudckpt's planner without its linear coordinator step: DCP's
+    ``DefaultSavePlanner`` (its local plan and its ``create_global_plan``), storing bytes
+    items as cloudckpt's planner does. With it a save takes DCP's own step on the plans
+    as objects (:func:`~cloudckpt.formats.dcp.steps.plans_in_columns` is False)."""
+
+    transform_object = _PackedObjectsSavePlanner.transform_object
+
+
+def _records_of(
+    world: World,
+    shards_of: Callable[[int], list[ShardedBase]],
+    paths: list[list[str]],
+    writer: CloudStorageWriter,
+) -> list[Any]:
+    """Each rank's ``(write results, tensor entries, common keys)`` for the commit: its
+    ``.distcp`` objects (1 MiB each, made up), the coordinator's ``.metadata``."""
+    strategy = TorchDistSaveShardedStrategy()
     records = []
     for rank in range(world.size):
         tensors = [s for s in shards_of(rank) if isinstance(s, ShardedTensor)]
@@ -538,17 +639,97 @@ def _torch_dist_steps(
         if rank == 0:
             written.append(_result(".metadata", writer.results[-1].size))
         records.append((written, strategy.tensor_entries(tensors), ["optimizer"]))
-    storage.delete(METADATA_FNAME)
     return records
 
 
+def _dcp_own_steps(
+    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
+) -> list[Any]:
+    """The torch_dist save's coordinator steps as DCP takes them, on the same layouts:
+    every rank's local plan of :class:`StockPackedObjectsSavePlanner` as objects (its
+    pickle gathered), the planner's ``create_global_plan`` (DCP's
+    ``DefaultSavePlanner``: de-duplication, index hints, validation), the writer's
+    ``prepare_global_plan``, the whole global plans scattered, every rank's item
+    results as objects gathered and ``CloudStorageWriter.finish`` (``.metadata`` into
+    ``memory://``). The coordinator keeps the global plans until the finish (as DCP's
+    planner does, ``global_plan``); each rank's item results are made from its global
+    plan (the one it unpickles from the scatter: equal)."""
+    storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
+    stock = StockPackedObjectsSavePlanner
+    writer, coordinator, local = dcp_local_step(0, shards_of(0), storage, stock)
+    if plans_in_columns(coordinator, writer):
+        raise SystemExit("torch_dist: the stock planner would send its plan in columns")
+
+    def sent_plan(rank: int) -> SavePlan:  # what plan_save's send_local_plan sends
+        return local if rank == 0 else dcp_local_step(rank, shards_of(rank), storage, stock)[2]
+
+    def global_step(plans: list[SavePlan]) -> list[SavePlan]:  # plan_save's, on objects
+        planned, metadata = create_global_plan(coordinator, writer, plans)
+        found.append(metadata)
+        central = writer.prepare_global_plan(planned)
+        updates = global_plan_updates(coordinator, planned, central)
+        if not all(isinstance(u, SavePlan) for u in updates):
+            raise SystemExit("torch_dist: DCP's step scattered updates, not whole plans")
+        return [u for u in updates if isinstance(u, SavePlan)]
+
+    found: list[Any] = []
+    with _paused(pause_gc):  # plan_save's gather, global step and scatter
+        sent = (sent_plan(r) for r in range(world.size))
+        gathered = _exchange(row, "plan", "dcp_plan", sent, "plan.gather")
+        central = _timed(row, "plan", lambda: global_step(gathered), "plan.global")
+        gathered.clear()
+        _scatter_whole(row, "plan", "dcp_plans", central, "plan.scatter")
+    metadata = found[0]
+    paths: list[list[str]] = []
+
+    def sent_results(rank: int) -> list[DcpWriteResult]:  # what PlannedSave.write returns
+        results = dcp_item_results(central[rank])
+        paths.append(sorted({i.storage_data.relative_path for i in results}))
+        return results
+
+    with _paused(pause_gc):  # save_state_dict's gather and finish (write_metadata)
+        results = _exchange(
+            row,
+            "plan",
+            "dcp_results",
+            (sent_results(r) for r in range(world.size)),
+            "finish.gather",
+        )
+        _timed(row, "plan", lambda: writer.finish(metadata, results), "finish.metadata")
+        results.clear()
+    central.clear()
+    row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
+    storage.delete(METADATA_FNAME)
+    return _records_of(world, shards_of, paths, writer)
+
+
+def _scatter_whole(row: Row, step: str, name: str, plans: list[Any], part: str) -> None:
+    """:func:`_scatter` of whole global plans, without keeping the pickles: each is
+    pickled (timed: the coordinator pickles every rank's), measured and dropped; the
+    coordinator's own is unpickled (timed). The ranks' plans are ``plans`` (equal to
+    what they unpickle)."""
+    gc.collect()
+    longest = 0
+    for i, plan in enumerate(plans):
+        raw = _timed(row, step, functools.partial(_pickled, plan), part)
+        longest = max(longest, len(raw))
+        if i == 0:
+            _timed(row, step, functools.partial(pickle.loads, raw), part)
+        del raw
+    row.bytes_received[name] = longest + 8 * len(plans)
+
+
 def dcp_local_step(
-    rank: int, shards: list[ShardedBase], storage: Any
-) -> tuple[CloudStorageWriter, _PackedObjectsSavePlanner, SavePlan]:
-    """DCP's local step of ``rank`` with cloudckpt's planner and writer (as ``dcp_save``)."""
+    rank: int,
+    shards: list[ShardedBase],
+    storage: Any,
+    planner_class: type[DefaultSavePlanner] = _PackedObjectsSavePlanner,
+) -> tuple[CloudStorageWriter, DefaultSavePlanner, SavePlan]:
+    """DCP's local step of ``rank`` with cloudckpt's writer and ``planner_class``
+    (cloudckpt's planner, as ``dcp_save``, by default)."""
     state, extra = to_dcp_state_dict({str(i): s for i, s in enumerate(shards)})
     writer = CloudStorageWriter(storage, mcore_data=extra)
-    planner = _PackedObjectsSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    planner = planner_class(flatten_state_dict=False, flatten_sharded_tensors=False)
     planner.set_up_planner(state, writer.storage_meta(), rank == 0)
     writer.set_up_storage_writer(rank == 0)
     return writer, planner, writer.prepare_local_plan(planner.create_local_plan())
@@ -586,24 +767,63 @@ def world_of(ranks: int, tp: int, pp: int) -> World:
 def print_table(rows: list[Row]) -> None:
     """Seconds per step, us per (rank x tensor), bytes per rank; ratios to the first row."""
     steps = ["gather", "validate", "plan", "merge"]
-    head = f"{'backend':10} {'ranks':>5} {'tensors':>7} {'TPxPPxDP':>10} "
+    head = f"{'backend':14} {'ranks':>5} {'tensors':>7} {'TPxPPxDP':>10} "
     head += " ".join(f"{s + ' s':>10}" for s in steps)
     head += f" {'total s':>8} {'us/r*t':>7} {'x 1st':>6}"
     head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10} {'recv kB/rank':>12}"
     print(head)
     base: dict[str, float] = {}
     for row in rows:
-        base.setdefault(row.backend, row.us_per_rank_tensor)
+        name = _row_name(row)
+        base.setdefault(name, row.us_per_rank_tensor)
         sent = row.bytes_per_rank
         plan_bytes = sent.get("flat", 0) + sent.get("dcp_plan", 0) + sent.get("dcp_results", 0)
         print(
-            f"{row.backend:10} {row.ranks:>5} {row.tensors:>7} "
+            f"{name:14} {row.ranks:>5} {row.tensors:>7} "
             f"{f'{row.tp}x{row.pp}x{row.dp}':>10} "
             + " ".join(f"{row.seconds.get(s, 0.0):>10.3f}" for s in steps)
             + f" {row.total:>8.2f} {row.us_per_rank_tensor:>7.2f}"
-            + f" {row.us_per_rank_tensor / base[row.backend]:>6.2f}"
+            + f" {row.us_per_rank_tensor / base[name]:>6.2f}"
             + f" {sent.get('sharding', 0):>21,} {plan_bytes:>10,} {sent.get('commit', 0):>10,}"
             + f" {row.received_per_rank / 1e3:>12,.1f}"
+        )
+    dcp_rows = [row for row in rows if row.global_step]
+    if dcp_rows:
+        print()
+        print_global_steps(dcp_rows)
+
+
+def _row_name(row: Row) -> str:
+    """The backend, and for torch_dist the coordinator's step (``torch_dist/dcp``)."""
+    return f"{row.backend}/{row.global_step}" if row.global_step == "dcp" else row.backend
+
+
+def print_global_steps(rows: list[Row]) -> None:
+    """torch_dist: the ``plan`` step by part (the plan collective: its gather, global
+    step, scatter; the finish: its gather, ``.metadata``), the bytes one rank sends and
+    receives in them, and the peak RSS."""
+    parts = [
+        "plan",
+        "plan.gather",
+        "plan.global",
+        "plan.scatter",
+        "finish",
+        "finish.gather",
+        "finish.metadata",
+    ]
+    head = f"{'global step':11} {'ranks':>5} {'tensors':>7} "
+    head += " ".join(f"{p + ' s':>{max(len(p) + 2, 8)}}" for p in parts)
+    head += f" {'sent B/rank: plan':>17} {'results':>10} {'recv B/rank: plan':>17}"
+    head += f" {'peak RSS GiB':>12}"
+    print(head)
+    for row in rows:
+        sent = row.bytes_per_rank
+        print(
+            f"{row.global_step:11} {row.ranks:>5} {row.tensors:>7} "
+            + " ".join(f"{row.parts.get(p, 0.0):>{max(len(p) + 2, 8)}.3f}" for p in parts)
+            + f" {sent.get('dcp_plan', 0):>17,} {sent.get('dcp_results', 0):>10,}"
+            + f" {row.bytes_received.get('dcp_plans', 0):>17,}"
+            + f" {row.peak_rss / 2**30:>12.2f}"
         )
 
 
@@ -615,6 +835,32 @@ def _json_row(row: Row) -> dict[str, Any]:
         "us_per_rank_tensor": row.us_per_rank_tensor,
         "received_per_rank": row.received_per_rank,
     }
+
+
+def keep_huge_page_advice() -> None:
+    """Make :func:`cloudckpt.huge_pages.without_huge_page_advice` a no-op for this
+    process: the steps it decorates then make their arrays with numpy's huge page advice
+    as the process has it (on by default), as where ``NUMPY_MADVISE_HUGEPAGE=1`` is set.
+    It asks ``_advice_setter`` on every entry: patched here, it finds no switch."""
+    huge_pages._advice_setter = lambda: None
+
+
+def watch_rss(limit: int) -> None:
+    """Stop the process (exit status 3, a message on stderr) once its resident set
+    passes ``limit`` bytes (checked every 0.2 s by a daemon thread)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def watch() -> None:
+        while True:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * page
+            if rss > limit:
+                print(f"resident set {rss / 2**30:.2f} GiB > limit: stopped", file=sys.stderr)
+                sys.stderr.flush()
+                os._exit(3)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True, name="rss-limit").start()
 
 
 def pin_one_core() -> int:
@@ -633,6 +879,24 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--backends", nargs="+", default=["zarr", "torch_dist"])
     parser.add_argument(
+        "--global-step",
+        choices=[*GLOBAL_STEPS, "both"],
+        default="columns",
+        help="torch_dist: the coordinator's step, cloudckpt's fast path on plans in columns"
+        " (columns), DCP's own on plans as objects (dcp), or a row of each (both)",
+    )
+    parser.add_argument(
+        "--no-huge-page-switch",
+        action="store_true",
+        help="leave numpy's huge page advice as the process has it in the steps that turn"
+        " it off (cloudckpt.huge_pages.without_huge_page_advice made a no-op)",
+    )
+    parser.add_argument(
+        "--rss-limit-gib",
+        type=float,
+        help="stop (exit status 3) when this process's resident set passes this many GiB",
+    )
+    parser.add_argument(
         "--gc-on",
         action="store_true",
         help="leave the garbage collector on where cloudckpt pauses it (for comparison)",
@@ -640,19 +904,28 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     core = pin_one_core()
+    if args.rss_limit_gib:
+        watch_rss(int(args.rss_limit_gib * 2**30))
+    if args.no_huge_page_switch:
+        keep_huge_page_advice()
     print(f"pinned to core {core} (os.sched_setaffinity); seconds on one core, provisional")
     print(memory_settings())
+    switch = "off (--no-huge-page-switch)" if args.no_huge_page_switch else "on"
+    print(f"cloudckpt's huge page switch (without_huge_page_advice): {switch}")
+    steps = list(GLOBAL_STEPS) if args.global_step == "both" else [args.global_step]
     grid = [(r, max(args.tensors)) for r in args.ranks]
     grid += [(max(args.ranks), t) for t in args.tensors if t != max(args.tensors)]
     rows = []
-    for backend in args.backends:
+    runs = [(b, s) for b in args.backends for s in (steps if b == "torch_dist" else ["columns"])]
+    for backend, step in runs:
         for ranks, tensors in grid:
             world = world_of(ranks, args.tp, args.pp)
-            rows.append(simulate(backend, world, tensors, pause_gc=not args.gc_on))
-            kernel = sum(rows[-1].kernel_seconds.values())
+            row = simulate(backend, world, tensors, pause_gc=not args.gc_on, global_step=step)
+            rows.append(row)
+            kernel = sum(row.kernel_seconds.values())
             print(
-                f"  {backend} {ranks} x {tensors}: {rows[-1].total:.2f} s"
-                f" ({kernel:.2f} s of it in the kernel)",
+                f"  {_row_name(row)} {ranks} x {tensors}: {row.total:.2f} s"
+                f" ({kernel:.2f} s of it in the kernel; peak RSS {row.peak_rss / 2**30:.2f} GiB)",
                 flush=True,
             )
     print()

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import cloudckpt
+from cloudckpt import huge_pages
 from cloudckpt.errors import ShardingValidationError
 from cloudckpt.formats.dcp.ranges import TENSOR_DATA_KEY
 from cloudckpt.formats.dcp.storage import read_metadata
@@ -125,3 +126,58 @@ def test_validation_catches_an_injected_overlap_and_a_missing_shard():
         f"tensor {flat.key!r}" in p and f"elements [{rng.start}, {rng.stop}) are not saved" in p
         for p in problems
     ), problems
+
+
+def test_dcp_own_global_step_writes_the_fast_paths_metadata():
+    """DCP's own coordinator step (the stock planner's ``create_global_plan`` on the plans
+    as objects, the writer's ``prepare_global_plan``, whole plans scattered, ``finish``)
+    and cloudckpt's fast path (columns) write equal ``.metadata`` and manifests for
+    16 ranks x 20 tensors; each reports its plan and finish parts."""
+    world = sim.World(tp=2, pp=2, dp=4)
+    fast = sim.simulate("torch_dist", world, 20)
+    own = sim.simulate("torch_dist", world, 20, global_step="dcp")
+    assert (fast.global_step, own.global_step) == ("columns", "dcp")
+    ours, dcps = fast.artifacts["dcp_metadata"], own.artifacts["dcp_metadata"]
+    assert dcps.state_dict_metadata == ours.state_dict_metadata
+    assert list(dcps.state_dict_metadata) == list(ours.state_dict_metadata)
+    for key, value in dcps.state_dict_metadata.items():
+        chunks = getattr(ours.state_dict_metadata[key], "chunks", None)
+        assert getattr(value, "chunks", None) == chunks, key
+    tensors = [v for v in dcps.state_dict_metadata.values() if hasattr(v, "chunks")]
+    assert sum(len(v.chunks) for v in tensors) > len(tensors)  # chunks from several ranks
+    assert dcps.storage_data == ours.storage_data
+    assert dcps.mcore_data == ours.mcore_data  # type: ignore[attr-defined]
+    assert dcps.planner_data == ours.planner_data
+    assert own.artifacts["manifest"].tensors == fast.artifacts["manifest"].tensors
+    # the same objects (the two pickles of one .metadata may differ in length)
+    stored = [_stored(r.artifacts["manifest"], sizes=True) for r in (own, fast)]
+    assert [s.pop(".metadata") > 0 for s in stored] == [True, True]
+    assert stored[0] == stored[1]
+    for row in (fast, own):
+        assert set(row.seconds) == {"gather", "validate", "plan", "merge"}
+        assert row.parts["plan"] + row.parts["finish"] == pytest.approx(row.seconds["plan"])
+        pieces = ("gather", "global", "scatter")
+        assert sum(row.parts[f"plan.{p}"] for p in pieces) == pytest.approx(row.parts["plan"])
+        assert row.parts["finish.gather"] + row.parts["finish.metadata"] == pytest.approx(
+            row.parts["finish"]
+        )
+        assert row.peak_rss > 0
+    # DCP's step scatters whole plans; the fast path what its step changed in each
+    assert own.bytes_received["dcp_plans"] > fast.bytes_received["dcp_plans"]
+
+
+def test_the_huge_page_switch_can_be_left_off(monkeypatch):
+    """``keep_huge_page_advice`` makes cloudckpt's steps keep numpy's huge page advice
+    (``without_huge_page_advice`` a no-op), as ``--no-huge-page-switch`` does."""
+    monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
+    monkeypatch.setattr(huge_pages, "_advice_setter", huge_pages._advice_setter)
+    before = huge_pages.numpy_advises_huge_pages()
+    if before is None or huge_pages._advice_setter() is None:
+        pytest.skip("numpy has no huge page switch here")
+    with huge_pages.without_huge_page_advice():
+        switched = huge_pages.numpy_advises_huge_pages()
+    sim.keep_huge_page_advice()
+    with huge_pages.without_huge_page_advice():
+        kept = huge_pages.numpy_advises_huge_pages()
+    assert (switched, kept) == (False, before)
+    assert huge_pages.numpy_advises_huge_pages() == before
