@@ -35,7 +35,7 @@ import torch
 import cloudckpt
 from cloudckpt import ShardedTensor, dist, dist_guard
 from cloudckpt.config import CheckpointConfig
-from cloudckpt.dist_guard import DEFAULT_HEARTBEAT_TIMEOUT_S, Bounds
+from cloudckpt.dist_bounds import DEFAULT_HEARTBEAT_TIMEOUT_S, Bounds
 from cloudckpt.launch import RankPool
 from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from tests.faultproxy import FaultProxy

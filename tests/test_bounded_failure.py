@@ -31,7 +31,7 @@ import cloudckpt
 from cloudckpt import ShardedTensor, dist, dist_guard
 from cloudckpt.cli import main as cli_main
 from cloudckpt.config import CheckpointConfig, ConfigError, from_dict
-from cloudckpt.dist_guard import (
+from cloudckpt.dist_bounds import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     ENV_COLLECTIVE_TIMEOUT,
