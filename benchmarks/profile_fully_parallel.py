@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 import cloudckpt
-from cloudckpt.bench.runner import _dp_group, _replicas_kept
+from cloudckpt.bench.phases import _dp_group, _replicas_kept
 from cloudckpt.bench.workload import build_state, load_target, plan_workload
 from cloudckpt.cli_bench import parse_size
 from cloudckpt.config import CheckpointConfig

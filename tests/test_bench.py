@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cloudckpt.bench import clock, report, workload
-from cloudckpt.bench.runner import RankFigures
+from cloudckpt.bench.measure import RankFigures
 from cloudckpt.bench.workload import (
     build_state,
     load_target,
