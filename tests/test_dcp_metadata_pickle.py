@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from cloudckpt.formats.dcp import metadata_pickle as _dcp_metadata_pickle
 from cloudckpt.formats.dcp.columns import RecordColumns
-from cloudckpt.formats.dcp.metadata_pickle import dumps_metadata
+from cloudckpt.formats.dcp.metadata_pickle_dict import dumps_metadata
 from cloudckpt.formats.dcp.unpickler import load_dcp_metadata
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))

@@ -40,7 +40,7 @@ from concurrent.futures import Future as TaskFuture
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, fields, replace
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -75,7 +75,8 @@ from cloudckpt.formats.dcp.columns import (
 from cloudckpt.formats.dcp.extra import PickledExtra, merge_extras
 from cloudckpt.formats.dcp.item_templates import ItemTemplates
 from cloudckpt.formats.dcp.metadata_check import check_storage_info
-from cloudckpt.formats.dcp.metadata_pickle import dumps_metadata, dumps_metadata_columns
+from cloudckpt.formats.dcp.metadata_pickle import dumps_metadata_columns
+from cloudckpt.formats.dcp.metadata_pickle_dict import dumps_metadata
 from cloudckpt.formats.dcp.objects import (
     BufferedObject,
     DcpObject,
@@ -122,6 +123,20 @@ class CloudStorageWriter(StorageWriter):
             after the other items (Megatron-Core's ``separation_hint``: e.g. the
             optimizer state apart from the model weights).
     """
+
+    keeps_plan_items: ClassVar[bool] = True
+    """:meth:`prepare_global_plan` changes only each plan's ``storage_data`` (the
+    coordinator may then plan without index hints on the items)."""
+    exact_in_columns: ClassVar[bool] = True
+    """The write results and ``.metadata`` in columns say exactly what this writer's own
+    steps (plan, write, finish) would. Both are declared: a subclass has them only where
+    its body says so, so that one that changes a step takes DCP's object path."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("keeps_plan_items", "exact_in_columns"):
+            if name not in cls.__dict__:
+                setattr(cls, name, False)
 
     def __init__(
         self,
