@@ -21,7 +21,7 @@ once per rank on the simulating core, as the receiving rank does. Then the real 
 * ``validate``: ``check_gathered_tables`` (keys and sharding, vectorized), what the
   coordinator runs on the gathered tables before anything is written (its verdict is
   broadcast: every rank raises the same error);
-* ``plan``: zarr: the coordinator's step of ``ZarrSaveShardedStrategy._flat_writes``:
+* ``plan``: zarr: the coordinator's step of ``cloudckpt.formats.zarr.save.flat_writes``:
   unpickling every rank's table of flattened pieces (``flat_shard_table``, gathered on
   the coordinator only), ``plan_flat_exchange``, and pickling each rank's part for the
   scatter (a rank unpickles only its own); torch_dist: the save's real coordinator step
@@ -113,6 +113,7 @@ from cloudckpt.dist import paused_gc
 from cloudckpt.formats.dcp.columns import ItemResultColumns, PlanColumns
 from cloudckpt.formats.dcp.plan import apply_global_plan_update, global_plan_updates
 from cloudckpt.formats.dcp.ranges import RecordedStorageInfo
+from cloudckpt.formats.dcp.save import DcpFormat
 from cloudckpt.formats.dcp.steps import (
     create_global_plan,
     global_step_columns,
@@ -120,12 +121,12 @@ from cloudckpt.formats.dcp.steps import (
 )
 from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.formats.zarr.layout import ZARRAY, shard_chunk_indices
+from cloudckpt.formats.zarr.save import ZarrFormat
 from cloudckpt.huge_pages import numpy_advises_huge_pages
 from cloudckpt.keys import KeyLayout
 from cloudckpt.manifest import CommitRecord, Manifest
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 from cloudckpt.planning import RankFlatPlan, chunk_plans, plan_flat_exchange
-from cloudckpt.session import regular_grid_for
 from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
@@ -137,6 +138,9 @@ from cloudckpt.strategies.torch import (
 from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy, _array_meta, _flat_table
 from cloudckpt.table_validation import check_gathered_tables
 from cloudckpt.validation import chunk_index
+
+FORMATS = {"zarr": ZarrFormat(None), "torch_dist": DcpFormat(1)}
+"""Each backend's format, for its traits."""
 
 _T = TypeVar("_T")
 WEIGHTS = (  # (name, local shape for hidden size h and TP, axis split over TP or None)
@@ -439,8 +443,9 @@ def check(gathered: list[list[ShardedBase]], backend: str) -> None:
 def check_tables(tables: list[ShardTable], backend: str) -> None:
     """What the coordinator runs on the gathered tables of a save
     (``SaveSession._check_gathered``)."""
-    layout = KeyLayout.of(backend, objects_with_tensors=backend == "torch_dist")
-    check_gathered_tables(tables, layout, URI, 0, True, regular_grid_for(backend))
+    layout = KeyLayout.of(FORMATS[backend].traits)
+    traits = FORMATS[backend].traits
+    check_gathered_tables(tables, layout, URI, 0, True, backend if traits.regular_grid else None)
 
 
 # -- zarr ------------------------------------------------------------------------------------
@@ -455,7 +460,7 @@ def _zarr_steps(
 ) -> list[Any]:
     strategy = ZarrSaveShardedStrategy()
     flat = [_zarr_flat_table([s for s in shards_of(r) if _is_flat(s)]) for r in range(world.size)]
-    with _paused(pause_gc):  # ZarrSaveShardedStrategy._flat_writes
+    with _paused(pause_gc):  # cloudckpt.formats.zarr.save.flat_writes
         tables = _exchange(row, "plan", "flat", [table for _, table in flat])
         plans = _timed(row, "plan", lambda: plan_flat_exchange(tables))
         tables.clear()
@@ -468,7 +473,11 @@ def _zarr_steps(
         tensors = [s for s in shards if isinstance(s, ShardedTensor)]
         assembled = _assembled(flat[rank][0], plans[rank])
         records.append(
-            (zarr_writes(rank, shards, assembled), strategy.tensor_entries(tensors), ["optimizer"])
+            (
+                zarr_writes(rank, shards, assembled),
+                strategy.save_format().tensor_entries(tensors),
+                ["optimizer"],
+            )
         )
     return records
 
@@ -476,7 +485,7 @@ def _zarr_steps(
 def _zarr_flat_table(
     shards: list[ShardedBase],
 ) -> tuple[list[tuple[ShardedTensor, tuple[int, ...]]], Any]:
-    """A rank's local step: its flat-shard table, as ``_flat_writes`` makes it."""
+    """A rank's local step: its flat-shard table, as ``flat_writes`` makes it."""
     return _flat_table([s for s in shards if isinstance(s, ShardedTensor)])
 
 
@@ -638,7 +647,7 @@ def _records_of(
         written = [_result(path, 1 << 20) for path in paths[rank]]
         if rank == 0:
             written.append(_result(".metadata", writer.results[-1].size))
-        records.append((written, strategy.tensor_entries(tensors), ["optimizer"]))
+        records.append((written, strategy.save_format().tensor_entries(tensors), ["optimizer"]))
     return records
 
 

@@ -25,6 +25,8 @@ from cloudckpt import dist
 from cloudckpt.commit import claim, commit
 from cloudckpt.config import CheckpointConfig, GiB
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.formats.protocol import BatchWritingFormat
+from cloudckpt.formats.run import save_uncommitted
 from cloudckpt.keys import KeyLayout, gather_keys, tensor_shapes, validate_key_set
 from cloudckpt.load_session import LoadSession
 from cloudckpt.manifest import Manifest, TensorEntry, common_key_paths
@@ -94,7 +96,7 @@ def convert(
     write.finish()
     common = source.common_state()
     results += target.common.save_common_to(target.storage, common)
-    if not target.objects_with_tensors:
+    if not target.format.traits.writes_objects:
         results += target.common.save_objects_to(target.storage, objects)
     manifest = commit(
         target.storage,
@@ -126,23 +128,27 @@ class _BatchWrite:
         self, target: SaveSession, objects: ShardedStateDict, results: list[WriteResult]
     ) -> None:
         self.target, self.results = target, results
-        self.objects = objects if target.objects_with_tensors else {}
-        make = getattr(target.sharded, "batch_writer", None)
-        self.dcp = make(target.storage, target.config) if make is not None else None
+        self.objects = objects if target.format.traits.writes_objects else {}
+        fmt = target.format
+        self.batches = (
+            fmt.batch_writer(target.storage, target.config)
+            if isinstance(fmt, BatchWritingFormat)
+            else None
+        )
 
     def __call__(self, batch: ShardedStateDict) -> None:
         state, self.objects = {**batch, **self.objects}, {}
-        if self.dcp is not None:
-            self.results += self.dcp.add(state)
+        if self.batches is not None:
+            self.results += self.batches.add(state)
         else:
             target = self.target
-            self.results += target.sharded.save_to(target.storage, state, target.config)
+            self.results += save_uncommitted(target.format, target.storage, state, target.config)
 
     def finish(self) -> None:
         if self.objects:  # no tensor batch took them: write them alone
             self(self.objects)
-        if self.dcp is not None:
-            self.results.append(self.dcp.finish())
+        if self.batches is not None:
+            self.results.append(self.batches.finish())
 
 
 def _check_keys(tensors: ShardedStateDict, objects: ShardedStateDict, target: SaveSession) -> None:
@@ -154,7 +160,7 @@ def _check_keys(tensors: ShardedStateDict, objects: ShardedStateDict, target: Sa
     """
     shards = [v for v in (*tensors.values(), *objects.values()) if isinstance(v, ShardedBase)]
     limits = path_limits(target.storage.location)
-    layout = KeyLayout.of(target.backends.sharded_backend, target.objects_with_tensors, limits)
+    layout = KeyLayout.of(target.format.traits, limits)
     per_rank = {0: shards}
     validate_key_set(gather_keys(per_rank), layout, target.storage.uri, 0, tensor_shapes(per_rank))
 
@@ -172,7 +178,7 @@ def _copy_tensors(
         copied = _read_batch(source, batch)
         write(copied)
         shards = [v for v in copied.values() if isinstance(v, ShardedTensor)]
-        entries += target.sharded.tensor_entries(shards, target.config)
+        entries += target.format.tensor_entries(shards, target.config)
         if progress is not None:
             progress(sum(_nbytes(sh) for sh in batch))
     return entries

@@ -82,7 +82,7 @@ def _storage(checkpoint_dir: CheckpointLocation) -> CheckpointStorage:
     if isinstance(checkpoint_dir, CheckpointStorage):
         return checkpoint_dir
     # imported here: strategies.base imports torch, which the CLI's commands avoid
-    from cloudckpt.strategies.base import checkpoint_uri  # noqa: PLC0415
+    from cloudckpt.storage.location import checkpoint_uri  # noqa: PLC0415
 
     return open_checkpoint(checkpoint_uri(checkpoint_dir))
 

@@ -38,11 +38,15 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cloudckpt.errors import InvalidKeyError, KeyCollisionError
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor
 from cloudckpt.storage.limits import NO_PATH_LIMITS, PathLimits
 from cloudckpt.storage.location import relpath_problem
+
+if TYPE_CHECKING:
+    from cloudckpt.formats.protocol import FormatTraits
 
 MAX_LISTED = 10  # problems listed in one message before "... and N more"
 MAX_SHOWN_CHARS = 80  # a longer key or path is shown by its ends and its length
@@ -76,14 +80,10 @@ class KeyLayout:
     limits: PathLimits = NO_PATH_LIMITS
 
     @classmethod
-    def of(
-        cls, sharded_backend: str, objects_with_tensors: bool, limits: PathLimits = NO_PATH_LIMITS
-    ) -> KeyLayout:
-        """The layout of a save by ``sharded_backend``; ``objects_with_tensors``: that
-        backend stores the ShardedObjects too; ``limits``: those of the store
-        (:func:`cloudckpt.storage.limits.path_limits`). Backends other than torch_dist
-        are taken to keep a tensor under ``<key>/``, as zarr does."""
-        return cls(sharded_backend != "torch_dist", not objects_with_tensors, limits)
+    def of(cls, traits: FormatTraits, limits: PathLimits = NO_PATH_LIMITS) -> KeyLayout:
+        """The layout of a save in a format with ``traits``; ``limits``: those of the
+        store (:func:`cloudckpt.storage.limits.path_limits`)."""
+        return cls(traits.tensor_dirs, not traits.writes_objects, limits)
 
     @property
     def needs_shapes(self) -> bool:

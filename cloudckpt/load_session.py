@@ -26,6 +26,8 @@ from cloudckpt.dict_utils import (
     nested_values,
 )
 from cloudckpt.errors import IncompatibleCheckpointError, StrategyNotFoundError
+from cloudckpt.formats.foreign import common_loader_of, sharded_loader_of
+from cloudckpt.formats.protocol import CommonLoader, ShardedLoader
 from cloudckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -37,7 +39,7 @@ from cloudckpt.mapping import (
     apply_factory_merges,
 )
 from cloudckpt.redact import redact_uri
-from cloudckpt.session import local_metadata, log_rate, logged_failure, open_storage
+from cloudckpt.session_support import local_metadata, log_rate, logged_failure, open_storage
 from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies.base import (
@@ -46,12 +48,6 @@ from cloudckpt.strategies.base import (
     StrategyAction,
     check_compatibility,
     get_default_strategy,
-)
-from cloudckpt.strategies.bound import (
-    CommonLoader,
-    ShardedLoader,
-    bind_common_loader,
-    bind_sharded_loader,
 )
 from cloudckpt.table_validation import check_gathered_sharding
 from cloudckpt.validation import (
@@ -155,8 +151,8 @@ class LoadSession:
             uri,
             storage.with_expected(checkpoint.expected_objects(), verify_checksums),
             checkpoint,
-            bind_sharded_loader(sharded_strategy, uri),
-            bind_common_loader(common_strategy, uri),
+            sharded_loader_of(sharded_strategy, uri),
+            common_loader_of(common_strategy, uri),
             sharded_strategy.can_handle_sharded_objects,
         )
 

@@ -34,15 +34,14 @@ from cloudckpt.redact import redact_uri
 from cloudckpt.safe_pickle import weights_only_scope
 from cloudckpt.session import PreprocessCommon, SaveSession, open_storage
 from cloudckpt.storage import CheckpointStorage
+from cloudckpt.storage.location import CheckpointDir, checkpoint_uri
 from cloudckpt.strategies.async_utils import AsyncRequest, check_async_strategy
 from cloudckpt.strategies.base import (
-    CheckpointDir,
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,
     SaveShardedStrategy,
     StrategyAction,
-    checkpoint_uri,
     get_default_strategy,
 )
 from cloudckpt.validation import StrictHandling, parse_strict_flag

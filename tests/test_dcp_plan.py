@@ -23,9 +23,9 @@ from cloudckpt.formats.dcp.plan import (
     global_plan_updates,
     linear_global_save_plan,
 )
+from cloudckpt.formats.dcp.save import _PackedObjectsSavePlanner
 from cloudckpt.formats.dcp.storage import CloudStorageWriter
 from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies.torch import _PackedObjectsSavePlanner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_simulate as sim

@@ -34,6 +34,7 @@ from cloudckpt.formats.dcp.plan import (
     linear_global_columns,
     linear_global_save_plan,
 )
+from cloudckpt.formats.dcp.save import _PackedObjectsSavePlanner
 from cloudckpt.formats.dcp.steps import (
     create_global_plan,
     global_step_columns,
@@ -41,7 +42,6 @@ from cloudckpt.formats.dcp.steps import (
 )
 from cloudckpt.formats.dcp.storage import CloudStorageWriter
 from cloudckpt.storage import open_checkpoint
-from cloudckpt.strategies.torch import _PackedObjectsSavePlanner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_simulate as sim

@@ -174,8 +174,8 @@ def _torch_dist_fails(rank: int, world: int, root: str, where: str) -> dict[str,
     """A torch_dist save where rank 1's data write fails (``where="data"``) or the
     coordinator's ``.metadata`` (``"metadata"``): what each rank raised."""
     from cloudckpt.errors import StorageError  # noqa: PLC0415
+    from cloudckpt.formats.dcp.save import DcpPlannedWrite  # noqa: PLC0415
     from cloudckpt.storage import CheckpointStorage  # noqa: PLC0415
-    from cloudckpt.strategies.torch import DeferredDcpFinish  # noqa: PLC0415
     from tests.test_multirank import tp_state  # noqa: PLC0415
 
     def no_space(*args: Any, **kwargs: Any) -> Any:
@@ -185,8 +185,8 @@ def _torch_dist_fails(rank: int, world: int, root: str, where: str) -> dict[str,
     if where == "data" and rank == 1:
         patched.append((CheckpointStorage, "open_stream", CheckpointStorage.open_stream))
     if where == "metadata" and rank == 0:
-        original = DeferredDcpFinish.finish_on_coordinator
-        patched.append((DeferredDcpFinish, "finish_on_coordinator", original))
+        original = DcpPlannedWrite.finish
+        patched.append((DcpPlannedWrite, "finish", original))
     for owner, name, _ in patched:
         setattr(owner, name, no_space)
     try:

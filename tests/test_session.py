@@ -1,6 +1,6 @@
 """A save or load opens its checkpoint once and reads the commit records once.
 
-Every storage a session opens is counted (``cloudckpt.session.open_checkpoint`` is
+Every storage a session opens is counted (``cloudckpt.session_support.open_checkpoint`` is
 wrapped) and gets a local filesystem that counts its requests (opens, stats, listings)
 on the commit files (``metadata.json``, ``manifest.json``, the claim). Runs on 4 real
 ranks: the counts are per rank.
@@ -17,12 +17,12 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 import cloudckpt
-from cloudckpt import ShardedObject, ShardedTensor, StrictHandling, session
+from cloudckpt import ShardedObject, ShardedTensor, StrictHandling, session_support
 from cloudckpt.core import CONFIG_FNAME
+from cloudckpt.formats.protocol import HasSaveFormat, SaveFormat, ShardedLoader
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME
-from cloudckpt.strategies.bound import ShardedLoader, ShardedSaver
 from cloudckpt.strategies.common import TorchCommonLoadStrategy
-from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy
+from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from cloudckpt.strategies.zarr import ZarrLoadShardedStrategy, ZarrSaveShardedStrategy
 from tests.test_multirank import tp_state
 
@@ -62,14 +62,14 @@ class _CountingLocalFS(LocalFileSystem):
 def _count_storages(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """Count the storages sessions open, and the requests of their filesystem."""
     counts: ClassVar[Counter] = Counter()
-    real = session.open_checkpoint
+    real = session_support.open_checkpoint
 
     def counting_open(uri: Any, fs: Any = None, *args: Any, **kwargs: Any) -> Any:
         counts["storages"] += 1
         return real(uri, fs or _CountingLocalFS(skip_instance_cache=True), *args, **kwargs)
 
     monkeypatch.setattr(_CountingLocalFS, "counts", counts)
-    monkeypatch.setattr(session, "open_checkpoint", counting_open)
+    monkeypatch.setattr(session_support, "open_checkpoint", counting_open)
     return counts
 
 
@@ -126,9 +126,10 @@ def test_a_foreign_checkpoint_costs_one_more_request(tmp_path, monkeypatch):
     assert counts["storages"] == 1 and _commit_file_requests(counts) == 3
 
 
-def test_cloudckpt_strategies_are_bound_and_seed_signatures_still_work(tmp_path):
-    for strategy in (ZarrSaveShardedStrategy(),):
-        assert isinstance(strategy, ShardedSaver)
+def test_cloudckpt_strategies_declare_their_format_and_seed_signatures_still_work(tmp_path):
+    for strategy in (ZarrSaveShardedStrategy(), TorchDistSaveShardedStrategy()):
+        assert isinstance(strategy, HasSaveFormat)
+        assert isinstance(strategy.save_format(), SaveFormat)
     for loader in (ZarrLoadShardedStrategy(), TorchDistLoadShardedStrategy()):
         assert isinstance(loader, ShardedLoader)
     uri = str(tmp_path / "direct")

@@ -31,8 +31,8 @@ from tests.test_validation_fast import layout as fast_layout
 World = list[list[ShardedBase]]
 URI = "s3://bucket/ckpt"
 BACKENDS = {  # backend -> (key layout, regular_grid_for)
-    "zarr": (KeyLayout.of("zarr", False), "zarr"),
-    "torch_dist": (KeyLayout.of("torch_dist", True), None),
+    "zarr": (KeyLayout(tensor_dirs=True, object_files=True), "zarr"),
+    "torch_dist": (KeyLayout(tensor_dirs=False, object_files=False), None),
 }
 NAMES = ["w", "layers.0.w", "opt.exp_avg", "a/b", "rng", "bias"]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]

@@ -17,10 +17,10 @@ import torch
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.formats.dcp.steps import GuardedDistWrapper
+from cloudckpt.formats.dcp.save import DcpPlannedWrite
 from cloudckpt.strategies.async_utils import AsyncCallsQueue
 from cloudckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-from cloudckpt.strategies.torch import StagedDcpSave, TorchDistSaveShardedStrategy
+from cloudckpt.strategies.torch import TorchDistSaveShardedStrategy
 
 ROWS, COLS = 8, 6
 
@@ -122,14 +122,14 @@ def test_async_torch_dist_save_serializes_the_host_copies_in_the_background(
 
 
 def _failed_upload_scenario(rank: int, world: int, base: str) -> str:
-    original = StagedDcpSave.upload
+    original = DcpPlannedWrite.write
 
-    def upload(self: StagedDcpSave) -> None:
+    def write(self: DcpPlannedWrite) -> Any:
         if rank == 2:
             raise OSError("disk full on rank 2")
-        original(self)
+        return original(self)
 
-    StagedDcpSave.upload = upload  # type: ignore[method-assign]
+    DcpPlannedWrite.write = write  # type: ignore[method-assign]
     uri = os.path.join(base, "failed")
     strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
     try:
@@ -141,7 +141,7 @@ def _failed_upload_scenario(rank: int, world: int, base: str) -> str:
             calls.maybe_finalize_async_calls(blocking=True)
         calls.close()
     finally:
-        StagedDcpSave.upload = original  # type: ignore[method-assign]
+        DcpPlannedWrite.write = original  # type: ignore[method-assign]
     assert not cloudckpt.check_is_distributed_checkpoint(uri)
     return str(raised.value)
 
@@ -172,22 +172,25 @@ def test_fully_parallel_async_save_stages_through_the_wrapped_strategy(
 
 
 def _broadcast_scenario(rank: int, world: int, base: str) -> list[str]:
-    """The types of what the torch_dist collectives broadcast during an async save."""
-    original = GuardedDistWrapper.broadcast_object
+    """The types of what every collective broadcasts during an async save and a sync
+    save through the strategy itself."""
+    from cloudckpt import dist  # noqa: PLC0415
+
+    original = dist.broadcast_object
     seen: list[str] = []
 
-    def broadcast_object(self: GuardedDistWrapper, obj: Any) -> Any:
-        out = original(self, obj)
+    def broadcast_object(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(obj, *args, **kwargs)
         seen.append(type(out).__name__)
         return out
 
-    GuardedDistWrapper.broadcast_object = broadcast_object  # type: ignore[method-assign,assignment]
+    dist.broadcast_object = broadcast_object  # type: ignore[assignment]
     strategy = TorchDistSaveShardedStrategy()
     try:
         _async_save(_state(rank, world, 7), os.path.join(base, "async"), None, validate=True)
         strategy.save(_state(rank, world, 8), os.path.join(base, "sync"))
     finally:
-        GuardedDistWrapper.broadcast_object = original  # type: ignore[method-assign]
+        dist.broadcast_object = original  # type: ignore[assignment]
     _check(os.path.join(base, "async"), rank, world, 7)
     return seen
 
@@ -197,6 +200,12 @@ def test_a_torch_dist_save_broadcasts_its_verdict_not_the_global_metadata(
 ) -> None:
     """The coordinator writes ``.metadata``; the other ranks learn only that it did (the
     global metadata, every chunk of every tensor, would grow with the world on each),
-    whether the save is asynchronous or synchronous through the strategy itself."""
+    whether the save is asynchronous or synchronous through the strategy itself: the
+    verdicts (None when every rank succeeded) and the plan updates are all that is
+    broadcast."""
     seen = rank_pool.run(_broadcast_scenario, str(tmp_path))
-    assert seen == [["NoneType", "NoneType"]] * 4, seen
+    for types in seen:
+        assert types == seen[0], seen
+        assert "Metadata" not in types and "MCoreMetadata" not in types, types
+    # the async save: the checks' verdict, the commit's; the strategy's save: its finish's
+    assert seen[0].count("ClaimVerdict") == 1 and seen[0][-1] == "NoneType", seen[0]

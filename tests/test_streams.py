@@ -38,6 +38,7 @@ from cloudckpt import ShardedTensor
 from cloudckpt.checker import verify
 from cloudckpt.errors import CheckpointingException, StorageError
 from cloudckpt.formats.dcp.ranges import _storage_record_zipfile, storage_record
+from cloudckpt.formats.dcp.save import _PackedObjectsSavePlanner, dcp_save
 from cloudckpt.formats.dcp.storage import CloudStorageWriter
 from cloudckpt.formats.dcp.torch_zip import ZipLayoutError, find_storage
 from cloudckpt.manifest import MANIFEST_FNAME, Manifest
@@ -46,7 +47,6 @@ from cloudckpt.storage.blocks import BlockChecksummer, object_checksum
 from cloudckpt.storage.buffers import Progress
 from cloudckpt.storage.staging import StagingStorage
 from cloudckpt.storage.streams import SMALL_WRITE, ObjectStream
-from cloudckpt.strategies.torch import _PackedObjectsSavePlanner, dcp_save
 
 KiB = 1024
 MiB = 1024 * KiB

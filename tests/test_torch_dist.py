@@ -25,16 +25,12 @@ from cloudckpt.errors import (
     UnexpectedKeysError,
 )
 from cloudckpt.formats.dcp.objects import ITEM_OVERHEAD
+from cloudckpt.formats.dcp.save import _PackedObjectsSavePlanner, dcp_save
 from cloudckpt.formats.dcp.storage import CloudStorageReader, CloudStorageWriter
 from cloudckpt.manifest import Manifest
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies.base import get_default_strategy
-from cloudckpt.strategies.torch import (
-    TorchDistLoadShardedStrategy,
-    TorchDistSaveShardedStrategy,
-    _PackedObjectsSavePlanner,
-    dcp_save,
-)
+from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
 StoreLocation = tuple[str, dict[str, Any]]
 TORCH_DIST = ("torch_dist", 1)

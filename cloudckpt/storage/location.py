@@ -10,17 +10,50 @@ import posixpath
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from pathlib import PurePath
+from typing import Any, Union
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from cloudckpt.config import CheckpointConfig, resolve_storage_options
-from cloudckpt.errors import InvalidKeyError, InvalidURIError, StorageError
+from cloudckpt.errors import CheckpointingException, InvalidKeyError, InvalidURIError, StorageError
 from cloudckpt.logfilter import install as install_log_filter
 from cloudckpt.redact import redact_text, redact_uri, remember_secrets
 from cloudckpt.retry_policy import RetryPolicy
 from cloudckpt.storage.edge import io_errors, translate
+
+CheckpointDir = Union[str, "os.PathLike[str]"]
+"""A checkpoint location: a URI or local path string, or a local ``os.PathLike``."""
+
+_BROKEN_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/[^/]")
+
+
+def checkpoint_uri(checkpoint_dir: CheckpointDir) -> str:
+    """Return ``checkpoint_dir`` as a ``str`` URI or path.
+
+    Args:
+        checkpoint_dir: a URI or path string, or an ``os.PathLike`` local path.
+
+    Raises:
+        CheckpointingException: the value is not a string or path, or it is a
+            ``pathlib`` path that swallowed a URI's ``//`` (``Path("s3://b/k")``).
+    """
+    try:
+        uri = os.fspath(checkpoint_dir)
+    except TypeError as exc:
+        raise CheckpointingException(
+            f"checkpoint location must be a str URI or os.PathLike, got {checkpoint_dir!r}"
+        ) from exc
+    if not isinstance(uri, str):
+        raise CheckpointingException(f"checkpoint location must be text, got {uri!r}")
+    if isinstance(checkpoint_dir, PurePath) and _BROKEN_URI.match(uri):
+        raise CheckpointingException(
+            f"checkpoint location {uri!r} is a pathlib path made from a URI, which lost "
+            "its '//'; pass the URI as a str"
+        )
+    return uri
+
 
 S3_PROTOCOLS = ("s3", "s3a")
 GCS_PROTOCOLS = ("gs", "gcs")

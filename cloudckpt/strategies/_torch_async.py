@@ -1,47 +1,41 @@
 """Megatron-Core's strategy-level asynchronous save for the torch_dist backend.
 
 :class:`AsyncDcpSaveMixin` gives :class:`~cloudckpt.strategies.torch.
-TorchDistSaveShardedStrategy` its ``async_save``: planning and staging happen in the
-call, the upload in the returned request, ``.metadata`` in its finalize function
-(:mod:`cloudckpt.strategies.state_dict_saver` over
-:class:`~cloudckpt.strategies.filesystem_async.FileSystemWriterAsync`).
+TorchDistSaveShardedStrategy` its ``async_save``, on the torch_dist format as every save
+runs it (:mod:`cloudckpt.formats.protocol`): planning and the copy to host memory in the
+call, the upload in the returned request's function, ``.metadata`` in its finalize
+function (:func:`cloudckpt.formats.run.finish_written`). Like Megatron-Core's, it writes
+the DCP part only: ``metadata.json`` and cloudckpt's manifest are
+:func:`cloudckpt.save`'s.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
-
-from cloudckpt.mapping import ShardedStateDict
-from cloudckpt.strategies._torch_compat import MCoreSavePlanner
+from cloudckpt.formats.run import finish_written
 from cloudckpt.strategies.async_utils import AsyncRequest, check_async_strategy
-from cloudckpt.strategies.base import CheckpointDir
-from cloudckpt.strategies.filesystem_async import FileSystemWriterAsync
-from cloudckpt.strategies.state_dict_saver import (
-    FinalizeArgs,
-    save_state_dict_async_finalize,
-    save_state_dict_async_plan,
-)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from cloudckpt.config import CheckpointConfig
+    from cloudckpt.formats.dcp.save import DcpFormat
+    from cloudckpt.formats.dcp.steps import SavePlanCache
+    from cloudckpt.formats.protocol import Written
+    from cloudckpt.mapping import ShardedStateDict
     from cloudckpt.storage import CheckpointStorage, WriteResult
+    from cloudckpt.storage.location import CheckpointDir
 
 
 class AsyncDcpSaveMixin:
-    """``async_save`` and the plan cache of ``cached_metadata=True`` (Megatron-Core's).
+    """``async_save``, and Megatron-Core's attributes of its plan cache.
 
-    The class it is mixed into provides ``separation_hint``,
-    ``use_cached_ckpt_structure``, ``_storage``, ``_object_size`` and ``_dcp_state``
-    (this rank's DCP state dict and ``mcore_data``).
+    The class it is mixed into provides ``save_format``, ``plan_cache``,
+    ``use_cached_ckpt_structure`` and ``_storage``.
     """
 
-    separation_hint: str | None
     use_cached_ckpt_structure: bool
+    plan_cache: SavePlanCache
 
     if TYPE_CHECKING:
 
@@ -51,17 +45,15 @@ class AsyncDcpSaveMixin:
             expected: Mapping[str, WriteResult] | None = None,
         ) -> CheckpointStorage: ...
 
-        def _object_size(self, config: CheckpointConfig | None) -> int: ...
-
-        def _dcp_state(
-            self, sharded_state_dict: ShardedStateDict
-        ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]: ...
+        def save_format(self) -> DcpFormat: ...
 
     def _init_plan_cache(self) -> None:
-        """No plans cached yet (the plans and metadata of the last ``async_save``)."""
-        self.cached_central_plan: SavePlan | None = None
-        self.cached_local_plan: SavePlan | None = None
-        self.cached_global_metadata: Metadata | None = None
+        """Megatron-Core's cache attributes: cloudckpt keeps the plans in its
+        :class:`~cloudckpt.formats.dcp.steps.SavePlanCache` (``plan_cache``);
+        ``validated_cache_reuse`` says whether the last save reused them."""
+        self.cached_central_plan: Any = None
+        self.cached_local_plan: Any = None
+        self.cached_global_metadata: Any = None
         self.validated_cache_reuse = False
 
     def async_save(
@@ -73,48 +65,25 @@ class AsyncDcpSaveMixin:
         """Plan and stage a save of this rank's main replicas; upload later (collective).
 
         Megatron-Core's strategy-level async save: the returned request's ``async_fn``
-        uploads the staged ``.distcp`` objects (in the background, e.g. on an
+        uploads this rank's ``.distcp`` objects (in the background, e.g. on an
         :class:`~cloudckpt.strategies.async_utils.AsyncCallsQueue`) and its finalize
         function writes ``.metadata`` on the coordinator once every rank is done. The
-        data is staged in host memory before this returns. Like Megatron-Core's, this
-        writes the DCP part only; ``metadata.json`` (and cloudckpt's manifest) are
-        the caller's (``cloudckpt.save`` commits). With ``cached_metadata=True`` the
-        plan of the previous save is reused while it stays the same. Megatron-Core
+        data is copied to host memory before this returns. With ``cached_metadata=True``
+        the plans of the previous save are reused while no rank's changed. Megatron-Core
         0.19's ``async_strategy`` ("nvrx" or "mcore") is checked; either runs this.
         """
         check_async_strategy(async_strategy)
-        state, extra = self._dcp_state(sharded_state_dict)
-        writer = FileSystemWriterAsync(
-            self._storage(checkpoint_dir),
-            separation_hint=self.separation_hint,
-            object_size=self._object_size(None),
-        )
-        writer.mcore_data = extra
-        planner = MCoreSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-        cached = (
-            (self.cached_central_plan, self.cached_local_plan, self.validated_cache_reuse)
-            if self.use_cached_ckpt_structure
-            else None
-        )
-        finalize_args, central, local, reused, _ = save_state_dict_async_plan(
-            state, writer, None, 0, planner, cached
-        )
+        storage = self._storage(checkpoint_dir)
+        reused = self.plan_cache.reused
+        planned = self.save_format().plan(storage, sharded_state_dict, staged=True)
         if self.use_cached_ckpt_structure:
-            finalize_args = self._reuse_metadata(finalize_args, reused)
-            self.cached_central_plan, self.cached_local_plan = central, local
-            self.validated_cache_reuse = reused
-        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+            self.validated_cache_reuse = self.plan_cache.reused > reused
+        written: list[Written] = []
+
+        def upload() -> None:
+            written.append(planned.write())
 
         def finalize() -> None:
-            save_state_dict_async_finalize(*finalize_args)
+            finish_written(planned, written[0], None, storage.uri)
 
-        return AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn)
-
-    def _reuse_metadata(self, finalize_args: FinalizeArgs, reused: bool) -> FinalizeArgs:
-        """Keep the coordinator's global metadata; supply it when planning was skipped."""
-        writer, metadata, wrapper = finalize_args
-        if metadata is not None:
-            self.cached_global_metadata = metadata
-        elif reused and self.cached_global_metadata is not None:
-            metadata = self.cached_global_metadata
-        return writer, metadata, wrapper
+        return AsyncRequest(upload, (), [finalize])

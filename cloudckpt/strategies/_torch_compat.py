@@ -38,15 +38,15 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem, 
 
 from cloudckpt import dist
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.formats.dcp.plan import LinearGlobalPlanMixin
-from cloudckpt.formats.dcp.reader import ORIG_SHAPE_KEY
-from cloudckpt.formats.dcp.storage import MCoreMetadata, MCoreSavePlan
-from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
-from cloudckpt.strategies.checkpointable import (
+from cloudckpt.formats.dcp.checkpointable import (
     CheckpointableShardedTensor,
     LocalShardsContainer,
     dcp_global_shape,
 )
+from cloudckpt.formats.dcp.plan import LinearGlobalPlanMixin
+from cloudckpt.formats.dcp.reader import ORIG_SHAPE_KEY
+from cloudckpt.formats.dcp.storage import MCoreMetadata, MCoreSavePlan
+from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
 
 logger = logging.getLogger(__name__)
 

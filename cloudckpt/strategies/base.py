@@ -18,28 +18,28 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-import re
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from enum import Enum
-from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
+from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import (
-    CheckpointingException,
     IncompatibleCheckpointError,
     StrategyNotFoundError,
 )
+from cloudckpt.formats.run import save_uncommitted
+from cloudckpt.storage import CheckpointStorage, FileSystem, WriteResult, open_checkpoint
+from cloudckpt.storage.location import CheckpointDir, checkpoint_uri
 from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from cloudckpt.formats.protocol import SaveFormat
     from cloudckpt.mapping import ShardedStateDict, StateDict
 
 logger = logging.getLogger(__name__)
-
-CheckpointDir = Union[str, "os.PathLike[str]"]
-"""A checkpoint location: a URI or local path string, or a local ``os.PathLike``."""
 
 
 class StrategyAction(Enum):
@@ -63,34 +63,6 @@ _BACKEND_MODULES: dict[str, str] = {
     "torch_dist": "cloudckpt.strategies.torch",
 }
 """Module that registers each backend's default strategies when imported."""
-
-_BROKEN_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/[^/]")
-
-
-def checkpoint_uri(checkpoint_dir: CheckpointDir) -> str:
-    """Return ``checkpoint_dir`` as a ``str`` URI or path.
-
-    Args:
-        checkpoint_dir: a URI or path string, or an ``os.PathLike`` local path.
-
-    Raises:
-        CheckpointingException: the value is not a string or path, or it is a
-            ``pathlib`` path that swallowed a URI's ``//`` (``Path("s3://b/k")``).
-    """
-    try:
-        uri = os.fspath(checkpoint_dir)
-    except TypeError as exc:
-        raise CheckpointingException(
-            f"checkpoint location must be a str URI or os.PathLike, got {checkpoint_dir!r}"
-        ) from exc
-    if not isinstance(uri, str):
-        raise CheckpointingException(f"checkpoint location must be text, got {uri!r}")
-    if isinstance(checkpoint_dir, PurePath) and _BROKEN_URI.match(uri):
-        raise CheckpointingException(
-            f"checkpoint location {uri!r} is a pathlib path made from a URI, which lost "
-            "its '//'; pass the URI as a str"
-        )
-    return uri
 
 
 def _as_action(action: StrategyAction | str) -> StrategyAction:
@@ -420,3 +392,138 @@ class SingleFormatLoadMixin:
                 f"{type(self).__name__} reads {self.backend!r} format version {self.version}, "
                 f"checkpoint has version {loaded_version!r}"
             )
+
+
+# -- Megatron-Core's signatures over cloudckpt's storage ----------------------------------
+
+
+class StorageBackedMixin:
+    """For strategies doing I/O through :mod:`cloudckpt.storage`.
+
+    Holds an optional filesystem (``fs``), fsspec ``storage_options`` and a
+    :class:`~cloudckpt.config.CheckpointConfig`, which a session uses to open the
+    checkpoint; Megatron-Core's URI methods open one per call from the same settings.
+    """
+
+    fs: FileSystem | None = None
+    storage_options: dict[str, Any] | None = None
+    config: CheckpointConfig | None = None
+
+    def _set_storage(
+        self,
+        fs: FileSystem | None,
+        storage_options: dict[str, Any] | None,
+        config: CheckpointConfig | None = None,
+    ) -> None:
+        self.fs = fs
+        self.storage_options = storage_options
+        self.config = config
+
+    def _storage(
+        self, checkpoint_dir: CheckpointDir, expected: Mapping[str, WriteResult] | None = None
+    ) -> CheckpointStorage:
+        return open_checkpoint(
+            checkpoint_uri(checkpoint_dir),
+            self.fs,
+            self.storage_options,
+            config=self.config,
+            expected=expected,
+        )
+
+
+class FormatSaveMixin(StorageBackedMixin):
+    """``save(sharded_state_dict, checkpoint_dir)`` over the strategy's format: plan,
+    write and finish, without a commit (:func:`cloudckpt.formats.run.save_uncommitted`)."""
+
+    def save_format(self) -> SaveFormat:
+        raise NotImplementedError
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> list[WriteResult]:
+        """Write this rank's main replicas to ``checkpoint_dir``; one result per object."""
+        storage = self._storage(checkpoint_dir)
+        return save_uncommitted(self.save_format(), storage, sharded_state_dict)
+
+
+class CommonSaveMixin(StorageBackedMixin):
+    """``save_common`` / ``save_sharded_objects`` over the storage methods."""
+
+    def save_common_to(self, storage: CheckpointStorage, common: StateDict) -> list[WriteResult]:
+        raise NotImplementedError
+
+    def save_objects_to(
+        self, storage: CheckpointStorage, objects: ShardedStateDict
+    ) -> list[WriteResult]:
+        raise NotImplementedError
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: str) -> list[WriteResult]:
+        """Write the common state (call on the coordinating rank only)."""
+        return self.save_common_to(self._storage(checkpoint_dir), common_state_dict)
+
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str
+    ) -> list[WriteResult]:
+        """Write this rank's main-replica ShardedObjects."""
+        return self.save_objects_to(self._storage(checkpoint_dir), sharded_objects_state_dict)
+
+
+class ShardedLoadMixin(StorageBackedMixin):
+    """``load`` / ``load_tensors_metadata`` / ``load_sharded_metadata`` /
+    ``remove_sharded_tensors`` over the storage methods."""
+
+    def load_from(
+        self, storage: CheckpointStorage, sharded_state_dict: ShardedStateDict
+    ) -> StateDict:
+        raise NotImplementedError
+
+    def tensors_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
+        raise NotImplementedError
+
+    def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
+        return self.tensors_metadata_from(storage)
+
+    def remove_tensors_from(self, storage: CheckpointStorage, key_prefix: str) -> None:
+        raise NotImplementedError
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str) -> StateDict:
+        """Return ``sharded_state_dict`` with its stored values loaded from ``checkpoint_dir``."""
+        return self.load_from(self._storage(checkpoint_dir), sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """``{key: ShardedTensor}`` (meta-device data) for every stored tensor."""
+        return self.tensors_metadata_from(self._storage(checkpoint_dir))
+
+    def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """Stored tensors and (when this strategy handles them) objects, without data."""
+        return self.sharded_metadata_from(self._storage(checkpoint_dir))
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Delete every stored tensor whose key starts with ``key_prefix``."""
+        self.remove_tensors_from(self._storage(checkpoint_dir), key_prefix)
+
+
+class CommonLoadMixin(StorageBackedMixin):
+    """``load_common`` / ``load_sharded_objects`` / ``load_sharded_metadata`` over the
+    storage methods."""
+
+    def load_common_from(self, storage: CheckpointStorage) -> StateDict:
+        raise NotImplementedError
+
+    def load_objects_from(self, storage: CheckpointStorage, objects: ShardedStateDict) -> StateDict:
+        raise NotImplementedError
+
+    def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
+        raise NotImplementedError
+
+    def load_common(self, checkpoint_dir: str) -> StateDict:
+        """The common state dict saved in ``checkpoint_dir``."""
+        return self.load_common_from(self._storage(checkpoint_dir))
+
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: str
+    ) -> StateDict:
+        """Return the state dict with every ShardedObject replaced by its stored value."""
+        return self.load_objects_from(self._storage(checkpoint_dir), sharded_objects_state_dict)
+
+    def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
+        """``{unique_key: ShardedObject}`` (no data) for every stored ShardedObject."""
+        return self.sharded_metadata_from(self._storage(checkpoint_dir))

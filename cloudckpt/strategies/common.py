@@ -32,13 +32,14 @@ from cloudckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_mai
 from cloudckpt.safe_pickle import load_torch_pickle
 from cloudckpt.storage import CheckpointStorage, FileSystem, ReadRequest, WriteResult
 from cloudckpt.strategies.base import (
+    CommonLoadMixin,
+    CommonSaveMixin,
     LoadCommonStrategy,
     SaveCommonStrategy,
     SingleFormatLoadMixin,
     StrategyAction,
     register_default_strategy,
 )
-from cloudckpt.strategies.bound import CommonLoadMixin, CommonSaveMixin
 
 logger = logging.getLogger(__name__)
 

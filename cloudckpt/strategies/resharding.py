@@ -5,7 +5,7 @@ C-order elements of one grid chunk, as distributed optimizers hold their state) 
 global shape ``[X, Y, Z]`` and local (chunk) shape ``[x, y, z]`` is stored by the
 torch_dist backend as a tensor of shape ``[X // x, Y // y, Z // z, x * y * z]``: one
 row per grid chunk, holding that chunk's elements flat (see
-:mod:`cloudckpt.strategies.checkpointable`). The original global shape is kept in the
+:mod:`cloudckpt.formats.dcp.checkpointable`). The original global shape is kept in the
 DCP metadata (``mcore_data[key]["nd_reformulated_orig_global_shape"]``).
 
 Loading into a different grid (another TP size) needs the rows of the checkpoint's
@@ -34,6 +34,7 @@ import torch
 
 from cloudckpt.dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from cloudckpt.errors import CheckpointingException
+from cloudckpt.formats.dcp.checkpointable import dcp_global_shape
 from cloudckpt.formats.dcp.reader import DcpCheckpoint
 from cloudckpt.mapping import (
     ReplicaId,
@@ -44,8 +45,7 @@ from cloudckpt.mapping import (
     apply_factory_merges,
 )
 from cloudckpt.storage import CheckpointStorage, open_checkpoint
-from cloudckpt.strategies.base import CheckpointDir, checkpoint_uri
-from cloudckpt.strategies.checkpointable import dcp_global_shape
+from cloudckpt.storage.location import CheckpointDir, checkpoint_uri
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ where cloudckpt recorded where an item's elements lie, only the byte ranges of t
 region (:mod:`cloudckpt.formats.dcp.ranges`), else the whole item (one ranged
 read of the ``.distcp`` object, decoded); all concurrently, through
 :mod:`cloudckpt.storage`. It then copies the overlaps. Tensors stored in the N-D
-flattened layout (see :mod:`cloudckpt.strategies.checkpointable`) are reassembled
+flattened layout (see :mod:`cloudckpt.formats.dcp.checkpointable`) are reassembled
 into the grid chunks they were cut from (of a chunk, only the pieces the region
 needs are read). Requests are handled in batches of bounded size, so peak memory
 stays near one batch.
