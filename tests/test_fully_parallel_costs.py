@@ -20,10 +20,10 @@ import cloudckpt
 from cloudckpt import ShardedTensor
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.exchange_utils import _distribution_of
+from cloudckpt.replicas import check_group_replicas
 from cloudckpt.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
-    _check_group_replicas,
 )
 from cloudckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from cloudckpt.utils import _sharded_tensor_shard_id
@@ -127,13 +127,13 @@ def test_the_rank_with_most_bytes_of_its_own_gets_fewest_replicated_bytes() -> N
 def test_a_save_distribution_checks_the_groups_replicas() -> None:
     """Two main replicas of a shard in the group, or a shard held with two shapes or
     dtypes, are refused before any replica id changes (the same verdict on every rank)."""
-    _check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 8, 1)]])  # fine
+    check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 8, 1)]])  # fine
     with pytest.raises(CheckpointingException, match="several main replicas"):
-        _check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 8, 0)]])
+        check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 8, 0)]])
     with pytest.raises(CheckpointingException, match=r"torch\.float32.*torch\.bfloat16"):
-        _check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 8, 1, torch.bfloat16)]])
+        check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 8, 1, torch.bfloat16)]])
     with pytest.raises(CheckpointingException, match=r"\(8,\).*\(4,\)"):
-        _check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 4, 1)]])
+        check_group_replicas([[_shard("w", 8, 0)], [_shard("w", 4, 1)]])
 
 
 # -- the broadcast exchange: large shards alone, straight into the requested tensors -----

@@ -32,8 +32,10 @@ On one host a fully parallel load cannot beat a plain one: the exchange moves, o
 the process group's transport, the bytes each replica would otherwise read from the
 page cache (``benchmarks/profile_fully_parallel.py`` measures both).
 
-Both wrappers work with cloudckpt's sessions (``save_to`` / ``load_from`` on the
-checkpoint the session opened) and through the seeds' URI methods; in a group of one
+Both wrappers work with cloudckpt's sessions (the save wrapper's format,
+:class:`ParallelFormat`, wraps the wrapped strategy's once; the load wrapper's
+``load_from`` reads the checkpoint the session opened) and through Megatron-Core's URI
+methods; in a group of one
 rank they do nothing but call the wrapped strategy.
 
 With ``do_cache_distribution``, the distribution computed by one call is reused by the
@@ -46,15 +48,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from cloudckpt import dist
 from cloudckpt.dict_utils import (
-    dict_list_map_inplace,
-    extract_matching_values,
     merge,
     nested_values,
 )
@@ -68,36 +69,38 @@ from cloudckpt.exchange_utils import (
     determine_main_replica_uniform_distribution,
     exchange_by_distribution,
 )
+from cloudckpt.formats.foreign import save_format_of, sharded_loader_of
+from cloudckpt.formats.protocol import FormatTraits, PlannedWrite, SaveFormat
 from cloudckpt.mapping import (
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
     StateDict,
-    is_main_replica,
 )
-from cloudckpt.storage.staging import StagingStorage
+from cloudckpt.replicas import (
+    DistributionCache,
+    check_group_replicas,
+    default_group,
+    defer_loading_sharded_items,
+    distribute_main_replicas_with_precomputed_distribution,
+    fill_in_deferred_sharded_items,
+    local_structure,
+    require_received,
+)
+from cloudckpt.storage.location import CheckpointDir, checkpoint_uri
 from cloudckpt.strategies.async_utils import check_async_strategy
 from cloudckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
     SaveShardedStrategy,
-    checkpoint_uri,
-)
-from cloudckpt.strategies.bound import (
-    ShardedSaver,
-    StagedSave,
-    StagingSaver,
-    bind_sharded_loader,
-    bind_sharded_saver,
 )
 from cloudckpt.utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId
 
 if TYPE_CHECKING:
     from cloudckpt.config import CheckpointConfig
     from cloudckpt.manifest import TensorEntry
-    from cloudckpt.storage import CheckpointStorage, WriteResult
+    from cloudckpt.storage import CheckpointStorage
     from cloudckpt.strategies.async_utils import AsyncRequest
-    from cloudckpt.strategies.base import CheckpointDir
 
 logger = logging.getLogger(__name__)
 
@@ -108,99 +111,6 @@ EXCHANGE_ALGOS = ("broadcast", "gather_object", "gather_rounds")
 _OBJECTS, _TENSORS = "objects", "tensors"
 """The two parts of a fully parallel load's one call of the wrapped strategy."""
 
-Structure = tuple[Hashable, ...]
-"""What a cached distribution depends on: this rank's shards, sorted."""
-
-
-def _default_group(group: Any) -> Any:
-    """``group``, or the world's group (None before a process group exists)."""
-    if group is None and dist.is_distributed():
-        return torch.distributed.group.WORLD
-    return group
-
-
-def _local_structure(sharded_state_dict: ShardedStateDict) -> Structure:
-    """This rank's ShardedTensors as the distribution sees them (ids, sizes, main flag)."""
-    entries = [
-        (
-            _sharded_tensor_shard_id(sh),
-            tuple(sh.local_shape),
-            str(sh.dtype),
-            is_main_replica(sh.replica_id),
-        )
-        for sh in nested_values(sharded_state_dict)
-        if isinstance(sh, ShardedTensor)
-    ]
-    return tuple(sorted(entries, key=repr))
-
-
-class _DistributionCache:
-    """A distribution reused while every rank's structure is the one it was computed for.
-
-    A distribution set from outside (``wrapper.cached_distribution = d``, as Megatron-Core
-    allows) has no recorded structure and is trusted as it is, without the check.
-    """
-
-    def __init__(self) -> None:
-        self.distribution: ShardDistribution | None = None
-        self.structure: Structure | None = None
-
-    def reusable(self, structure: Structure, group: Any) -> bool:
-        """Whether the cached distribution fits ``structure`` on every rank of ``group``.
-        Collective over ``group`` once something is cached (one integer all-reduce)."""
-        if self.distribution is None:
-            return False
-        if self.structure is None:
-            return True
-        changed = int(structure != self.structure)
-        return dist.all_reduce_int(changed, op="max", group=group) == 0
-
-    def store(self, distribution: ShardDistribution | None, structure: Structure | None) -> None:
-        self.distribution, self.structure = distribution, structure
-
-
-def distribute_main_replicas_with_precomputed_distribution(
-    sharded_state_dict: ShardedStateDict,
-    parallelization_group: Any,
-    precomputed_distribution: ShardDistribution | None,
-) -> None:
-    """Apply a distribution: the ShardedTensors this rank was given get ``replica_id``
-    0, every other ShardedTensor ``replica_id`` 1 (in place).
-
-    Args:
-        sharded_state_dict: this rank's state dict.
-        parallelization_group: the group the distribution was computed in (None: the
-            world); in a group of one rank nothing changes.
-        precomputed_distribution: from :func:`determine_main_replica_uniform_distribution`
-            over the same group.
-
-    Raises:
-        ValueError: the group has several ranks but no distribution was given.
-
-    Example, tensors A, B, C replicated on three ranks (replica ids before: rank r
-    holds ``(0, 0, r)`` for each)::
-
-        rank 0: A 0, B 1, C 1
-        rank 1: A 1, B 0, C 1
-        rank 2: A 1, B 1, C 0
-    """
-    group = _default_group(parallelization_group)
-    if dist.get_world_size(group) <= 1:
-        return
-    if precomputed_distribution is None:
-        raise ValueError(
-            "precomputed_distribution must be given for a parallelization group of "
-            f"{dist.get_world_size(group)} ranks"
-        )
-    me = dist.get_rank(group)
-    main_rank = precomputed_distribution.main_rank_for_shard
-    in_group = precomputed_distribution.shards_in_this_group
-    for sh in nested_values(sharded_state_dict):
-        if isinstance(sh, ShardedTensor):
-            shard_id = _sharded_tensor_shard_id(sh)
-            mine = shard_id in in_group and main_rank.get(shard_id) == me
-            sh.replica_id = 0 if mine else 1
-
 
 class _WrappedStorageSettings:
     """The storage settings a session reads from a strategy (``fs``, ``storage_options``,
@@ -208,7 +118,7 @@ class _WrappedStorageSettings:
     it wraps; and the cached distribution, which both wrappers keep alike."""
 
     base_strategy: SaveShardedStrategy | LoadShardedStrategy
-    _cache: _DistributionCache
+    _cache: DistributionCache
 
     @property
     def fs(self) -> Any:
@@ -263,9 +173,9 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
     ) -> None:
         super().__init__(strategy.backend, strategy.version)
         self.base_strategy: SaveShardedStrategy = strategy
-        self.parallelization_group = _default_group(parallelization_group)
+        self.parallelization_group = default_group(parallelization_group)
         self.do_cache_distribution = do_cache_distribution
-        self._cache = _DistributionCache()
+        self._cache = DistributionCache()
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> None:
         """Choose which rank writes each shard and set the replica ids accordingly.
@@ -273,7 +183,7 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
         Collective over the parallelization group: one ``all_gather_object`` of the
         shards' metadata when the distribution is computed, one integer all-reduce when
         a cached one is checked. A computed distribution is checked on the gathered
-        metadata, without another collective (:func:`_check_group_replicas`): the
+        metadata, without another collective (:func:`check_group_replicas`): the
         sharding across the world was validated by the save before (Megatron-Core
         gathers every rank's metadata across the world again to validate it); moving
         the main replica of a shard between the group's ranks that hold it keeps every
@@ -283,13 +193,13 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
         group = self.parallelization_group
         if dist.get_world_size(group) <= 1:
             return
-        structure = _local_structure(sharded_state_dict)
+        structure = local_structure(sharded_state_dict)
         cached = self.do_cache_distribution and self._cache.reusable(structure, group)
         if cached:
             distribution = self._cache.distribution
         else:
             gathered = _gather_shard_metadata(sharded_state_dict, group)
-            _check_group_replicas(gathered)
+            check_group_replicas(gathered)
             distribution = _distribution_of(gathered)
         distribute_main_replicas_with_precomputed_distribution(
             sharded_state_dict, group, distribution
@@ -303,57 +213,10 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
             time.perf_counter() - started,
         )
 
-    def save_to(
-        self,
-        storage: CheckpointStorage,
-        sharded_state_dict: ShardedStateDict,
-        config: CheckpointConfig | None = None,
-    ) -> list[WriteResult]:
-        """Distribute, then let the wrapped strategy write this rank's share."""
-        self.apply_saving_parallelization(sharded_state_dict)
-        saver = bind_sharded_saver(self.base_strategy, storage.uri)
-        return saver.save_to(storage, sharded_state_dict, config)
-
-    @property
-    def finish_deferrable(self) -> bool:
-        """Whether the wrapped strategy's last collective step can be deferred to the
-        commit (see :meth:`save_deferring_finish`)."""
-        return bool(getattr(self.base_strategy, "finish_deferrable", False))
-
-    def save_deferring_finish(
-        self,
-        storage: CheckpointStorage,
-        sharded_state_dict: ShardedStateDict,
-        config: CheckpointConfig | None = None,
-    ) -> tuple[list[WriteResult], Any]:
-        """Distribute, then write this rank's share with the wrapped strategy's
-        ``save_deferring_finish`` (torch_dist: ``.metadata`` written at the commit)."""
-        self.apply_saving_parallelization(sharded_state_dict)
-        deferring = self.base_strategy.save_deferring_finish  # type: ignore[attr-defined]
-        results, finish = deferring(storage, sharded_state_dict, config)
-        return results, finish
-
-    def stage_to(
-        self,
-        storage: CheckpointStorage,
-        sharded_state_dict: ShardedStateDict,
-        config: CheckpointConfig | None = None,
-    ) -> StagedSave:
-        """Distribute, then stage with the wrapped strategy (the blocking half of an
-        async save: see :class:`~cloudckpt.strategies.bound.StagingSaver`); a wrapped
-        strategy without ``stage_to`` writes into host memory now."""
-        self.apply_saving_parallelization(sharded_state_dict)
-        saver = bind_sharded_saver(self.base_strategy, storage.uri)
-        if isinstance(saver, StagingSaver):
-            return saver.stage_to(storage, sharded_state_dict, config)
-        return _StagedWrites.of(saver, storage, sharded_state_dict, config)
-
-    def tensor_entries(
-        self, tensors: list[ShardedTensor], config: CheckpointConfig | None = None
-    ) -> list[TensorEntry]:
-        """The wrapped strategy's manifest entries."""
-        saver = bind_sharded_saver(self.base_strategy, "")
-        return saver.tensor_entries(tensors, config)
+    def save_format(self) -> ParallelFormat:
+        """The wrapped strategy's format, planned after the distribution (what a session
+        drives)."""
+        return ParallelFormat(save_format_of(self.base_strategy), self)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: CheckpointDir) -> Any:
         """Distribute, then save with the wrapped strategy (its return value)."""
@@ -383,66 +246,34 @@ class FullyParallelSaveStrategyWrapper(_WrappedStorageSettings, AsyncSaveSharded
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_uri(checkpoint_dir))
 
 
-class _StagedWrites:
-    """A strategy's writes kept in host memory (:class:`~cloudckpt.storage.staging.
-    StagingStorage`) until :meth:`upload`."""
+@dataclass(frozen=True)
+class ParallelFormat:
+    """A format whose plan first spreads the main replicas over the group's ranks
+    (:meth:`FullyParallelSaveStrategyWrapper.apply_saving_parallelization`, collective);
+    everything else is the wrapped format's."""
 
-    def __init__(self, staging: StagingStorage, results: list[WriteResult]) -> None:
-        self._staging = staging
-        self._results = results
+    base: SaveFormat
+    wrapper: FullyParallelSaveStrategyWrapper
 
-    @classmethod
-    def of(
-        cls,
-        saver: ShardedSaver,
+    @property
+    def traits(self) -> FormatTraits:
+        return self.base.traits
+
+    def tensor_entries(
+        self, tensors: list[ShardedTensor], config: CheckpointConfig | None = None
+    ) -> list[TensorEntry]:
+        return self.base.tensor_entries(tensors, config)
+
+    def plan(
+        self,
         storage: CheckpointStorage,
         sharded_state_dict: ShardedStateDict,
-        config: CheckpointConfig | None,
-    ) -> _StagedWrites:
-        """Run ``saver`` now into a staging view of ``storage``."""
-        staging = StagingStorage.over(storage)
-        return cls(staging, saver.save_to(staging, sharded_state_dict, config))
-
-    def upload(self) -> None:
-        """Write the staged objects."""
-        self._staging.upload()
-
-    def finish(self) -> list[WriteResult]:
-        """The staged writes' results (nothing left to write)."""
-        return self._results
-
-
-def _check_group_replicas(gathered: list[list[ShardedTensor]]) -> None:
-    """Check the group's gathered shards before a save distribution moves their main
-    replicas: the ranks holding a shard agree on its dtype and shape, and at most one
-    of them holds its main replica. The same verdict on every rank (the same input).
-
-    Raises:
-        CheckpointingException: a shard held with different dtypes or shapes, or with
-            several main replicas, in the group.
-    """
-    seen: dict[_ShardId, tuple[str, tuple[int, ...], int]] = {}
-    mains: dict[_ShardId, list[int]] = {}
-    for rank, shards in enumerate(gathered):
-        for sh in shards:
-            shard_id = _sharded_tensor_shard_id(sh)
-            described = (str(sh.dtype), tuple(sh.local_shape), rank)
-            first = seen.setdefault(shard_id, described)
-            if first[:2] != described[:2]:
-                raise CheckpointingException(
-                    f"fully parallel save: shard {shard_id} is {first[0]} {first[1]} on "
-                    f"group rank {first[2]} but {described[0]} {described[1]} on group "
-                    f"rank {rank}"
-                )
-            if is_main_replica(sh.replica_id):
-                mains.setdefault(shard_id, []).append(rank)
-    several = {k: v for k, v in mains.items() if len(v) > 1}
-    if several:
-        shown = sorted((str(k), v) for k, v in several.items())[:5]
-        raise CheckpointingException(
-            f"fully parallel save: {len(several)} shard(s) have several main replicas "
-            f"in the parallelization group (shard, group ranks): {shown}"
-        )
+        config: CheckpointConfig | None = None,
+        *,
+        staged: bool = False,
+    ) -> PlannedWrite:
+        self.wrapper.apply_saving_parallelization(sharded_state_dict)
+        return self.base.plan(storage, sharded_state_dict, config, staged=staged)
 
 
 class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrategy):
@@ -475,10 +306,10 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
                 f"unknown exchange_algo {exchange_algo!r}; expected one of {EXCHANGE_ALGOS}"
             )
         self.base_strategy: LoadShardedStrategy = strategy
-        self.parallelization_group = _default_group(parallelization_group)
+        self.parallelization_group = default_group(parallelization_group)
         self.do_cache_distribution = do_cache_distribution
         self.exchange_algo = exchange_algo
-        self._cache = _DistributionCache()
+        self._cache = DistributionCache()
         self.cached_global_metadata: Any = None  # Megatron-Core's attribute; unused here
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
@@ -514,7 +345,7 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
         self, storage: CheckpointStorage, sharded_state_dict: ShardedStateDict
     ) -> StateDict:
         """:meth:`load` on a checkpoint a session opened."""
-        loader = bind_sharded_loader(self.base_strategy, storage.uri)
+        loader = sharded_loader_of(self.base_strategy, storage.uri)
         return self._load(sharded_state_dict, lambda part: loader.load_from(storage, part))
 
     def _load(self, sharded_state_dict: ShardedStateDict, read: Callable[[Any], Any]) -> StateDict:
@@ -558,9 +389,9 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
             "reading this rank's share of a fully parallel load", read_share
         )
         all_tensors = self._exchange(tensors_read, unloaded, distribution)
-        _require_received(unloaded, all_tensors, "tensor")
+        require_received(unloaded, all_tensors, "tensor")
         all_objects = _merge_unique(objects_read, "object")
-        _require_received(objects_unloaded, all_objects, "object")
+        require_received(objects_unloaded, all_objects, "object")
         self.fill_in_deferred_sharded_tensors(tensors, all_tensors)
         self.fill_in_deferred_sharded_objects(objects, all_objects)
         result: StateDict = {}
@@ -595,7 +426,7 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
             The distribution (None in a group of one rank).
         """
         group = self.parallelization_group
-        structure = _local_structure(sharded_state_dict)
+        structure = local_structure(sharded_state_dict)
         cached = self.do_cache_distribution and self._cache.reusable(structure, group)
         if cached:
             distribution = self._cache.distribution
@@ -619,7 +450,7 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
         dict[_ShardId, ShardedTensor],
         dict[_ShardId, ShardedTensor],
     ]:
-        return _defer_loading_sharded_items(
+        return defer_loading_sharded_items(
             sharded_state_dict, ShardedTensor, _sharded_tensor_shard_id
         )
 
@@ -632,7 +463,7 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
         dict[_ShardId, ShardedObject],
         dict[_ShardId, ShardedObject],
     ]:
-        return _defer_loading_sharded_items(sharded_state_dict, ShardedObject, _sharded_object_id)
+        return defer_loading_sharded_items(sharded_state_dict, ShardedObject, _sharded_object_id)
 
     @staticmethod
     def fill_in_deferred_sharded_tensors(
@@ -643,7 +474,7 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
         Raises:
             CheckpointingException: a tensor's shard id is not in ``loaded_tensors``.
         """
-        _fill_in_deferred_sharded_items(
+        fill_in_deferred_sharded_items(
             sharded_state_dict, loaded_tensors, ShardedTensor, _sharded_tensor_shard_id
         )
 
@@ -656,7 +487,7 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
         Raises:
             CheckpointingException: an object's shard id is not in ``loaded_objects``.
         """
-        _fill_in_deferred_sharded_items(
+        fill_in_deferred_sharded_items(
             sharded_state_dict, loaded_objects, ShardedObject, _sharded_object_id
         )
 
@@ -676,76 +507,12 @@ class FullyParallelLoadStrategyWrapper(_WrappedStorageSettings, LoadShardedStrat
 
     def tensors_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
         """As the wrapped strategy."""
-        return bind_sharded_loader(self.base_strategy, storage.uri).tensors_metadata_from(storage)
+        return sharded_loader_of(self.base_strategy, storage.uri).tensors_metadata_from(storage)
 
     def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:
         """As the wrapped strategy."""
-        return bind_sharded_loader(self.base_strategy, storage.uri).sharded_metadata_from(storage)
+        return sharded_loader_of(self.base_strategy, storage.uri).sharded_metadata_from(storage)
 
     def remove_tensors_from(self, storage: CheckpointStorage, key_prefix: str) -> None:
         """As the wrapped strategy."""
-        bind_sharded_loader(self.base_strategy, storage.uri).remove_tensors_from(
-            storage, key_prefix
-        )
-
-
-def _require_received(
-    expected: dict[_ShardId, Any], received: dict[_ShardId, Any], what: str
-) -> None:
-    missing = set(expected) - set(received)
-    if missing:
-        raise CheckpointingException(
-            f"rank {dist.get_rank()}: {len(missing)} {what} shard(s) missing after the fully "
-            f"parallel load: {sorted(map(str, missing))[:10]}"
-        )
-
-
-def _defer_loading_sharded_items(
-    sharded_state_dict: ShardedStateDict,
-    item_type: type[T],
-    shard_id_func: Callable[[T], _ShardId],
-) -> tuple[ShardedStateDict, ShardedStateDict, dict[_ShardId, T], dict[_ShardId, T]]:
-    """Split off the items of ``item_type``, sorted into those this rank reads (main
-    replicas) and those it receives.
-
-    Returns:
-        (the items, as a nested dict; everything else; ``{shard id: item}`` this rank
-        reads; ``{shard id: item}`` other ranks read).
-    """
-    to_load: dict[_ShardId, T] = {}
-    unloaded: dict[_ShardId, T] = {}
-    items, remaining = extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, item_type)
-    )
-
-    def sort_item(x: Any) -> Any:
-        if isinstance(x, item_type):
-            target = to_load if is_main_replica(x.replica_id) else unloaded
-            target[shard_id_func(x)] = x
-        return x
-
-    dict_list_map_inplace(sort_item, items)
-    return items, remaining, to_load, unloaded
-
-
-def _fill_in_deferred_sharded_items(
-    sharded_state_dict: ShardedStateDict,
-    loaded_items: dict[_ShardId, Any],
-    item_type: type[T],
-    shard_id_func: Callable[[T], _ShardId],
-) -> None:
-    """Replace every item of ``item_type`` by its value in ``loaded_items`` (in place)."""
-
-    def fill_in(x: Any) -> Any:
-        if isinstance(x, item_type):
-            shard_id = shard_id_func(x)
-            try:
-                return loaded_items[shard_id]
-            except KeyError as exc:
-                raise CheckpointingException(
-                    f"rank {dist.get_rank()}: no loaded value for {item_type.__name__} "
-                    f"shard {shard_id}"
-                ) from exc
-        return x
-
-    dict_list_map_inplace(fill_in, sharded_state_dict)
+        sharded_loader_of(self.base_strategy, storage.uri).remove_tensors_from(storage, key_prefix)
