@@ -407,7 +407,7 @@ class CommitRecord:
 
     def write_results(self) -> list[ManifestEntry]:
         """The write results this record holds, in order."""
-        return _Columns([self]).entries(range(self.count))
+        return _GatheredResults([self]).entries(range(self.count))
 
     def __reduce__(self) -> tuple[type[CommitRecord], tuple[Any, ...]]:
         # by its fields, as WriteResult: the coordinator unpickles one per rank
@@ -425,7 +425,7 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")  # any str, lone surrogates too
 
 
-class _Columns:
+class _GatheredResults:
     """Every rank's write results, concatenated (positions across all records)."""
 
     def __init__(self, records: Sequence[CommitRecord]) -> None:
@@ -497,7 +497,7 @@ def merge_records(
         ManifestError: two ranks report different results for one object path.
         CheckpointingException: the pieces of a tensor text do not make up its digest.
     """
-    objects = _Columns(records).merged()
+    objects = _GatheredResults(records).merged()
     pieces: dict[bytes, list[str]] = {}
     last: dict[bytes, int] = {}  # digest -> the highest rank with it
     for rank, record in enumerate(records):

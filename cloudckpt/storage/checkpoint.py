@@ -185,7 +185,7 @@ class CheckpointStorage(StorageReads, StorageAdmin):
         """Whether :meth:`open_stream` writes objects front to back into multipart
         uploads (S3), sending large writes made inside its ``referencing`` block from
         the caller's memory."""
-        return bool(getattr(self.transport, "streams_uploads", False))
+        return self.transport.streams_uploads
 
     @property
     def writes_in_place(self) -> bool:

@@ -89,6 +89,8 @@ class Transport:
     # Objects can be written front to back straight into the store's file
     # (:meth:`open_sequential`): local files only.
     writes_in_place = False
+    # Objects can be written front to back into multipart uploads (S3).
+    streams_uploads = False
 
     def __init__(
         self,

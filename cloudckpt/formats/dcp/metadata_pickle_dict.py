@@ -50,13 +50,13 @@ def dumps_metadata(metadata: Metadata) -> bytes:
     storage = metadata.storage_data
     if type(storage) is not dict or len(storage) < 2:
         return pickle.dumps(metadata, protocol=PROTOCOL)
-    columns = _Columns.of(storage)
+    columns = _StorageDataColumns.of(storage)
     if columns is None:
         return pickle.dumps(metadata, protocol=PROTOCOL)
     return _dump(metadata, storage, columns)
 
 
-def _dump(metadata: Metadata, storage: dict[Any, Any], columns: _Columns) -> bytes:
+def _dump(metadata: Metadata, storage: dict[Any, Any], columns: _StorageDataColumns) -> bytes:
     """``metadata`` pickled, its ``storage_data`` (``storage``) written from
     ``columns`` as fixed-width records."""
     out = _Stream()
@@ -69,7 +69,7 @@ def _dump(metadata: Metadata, storage: dict[Any, Any], columns: _Columns) -> byt
     return out.buffer.getvalue()
 
 
-class _Columns:
+class _StorageDataColumns:
     """``storage_data`` as columns: per item its key's fqn, index and offset, its
     info's path, offset (``start``) and length; which items are plain (a key dict of
     fqn, index and offset, a ``torch.Size`` offset and an int index: fixed-width
@@ -109,7 +109,7 @@ class _Columns:
         return "offset" in self.key_dicts[i]
 
     @classmethod
-    def of(cls, storage: dict[Any, Any]) -> _Columns | None:
+    def of(cls, storage: dict[Any, Any]) -> _StorageDataColumns | None:
         """The columns of ``storage``, or None where an item has another shape."""
         keys, infos = list(storage), list(storage.values())
         if set(map(type, keys)) != {MetadataIndex} or set(map(type, infos)) != {_StorageInfo}:
@@ -145,7 +145,9 @@ def _plain_types(columns: dict[str, list[Any]]) -> bool:
     return set(map(type, columns["index"])) <= {int, type(None)}
 
 
-def _write_storage(out: _Stream, storage: dict[Any, Any], cols: _Columns) -> dict[Any, int]:
+def _write_storage(
+    out: _Stream, storage: dict[Any, Any], cols: _StorageDataColumns
+) -> dict[Any, int]:
     """Push ``storage`` rebuilt from ``cols`` and memoize it (the stack left empty);
     the memo indices of the offsets (``torch.Size`` values)."""
     for cls in (MetadataIndex, _StorageInfo, torch.Size, ChunkStorageMetadata):
@@ -216,7 +218,7 @@ def _write_chunks(out: _Stream, metadata: Metadata, sizes: dict[Any, int]) -> No
 
 def _records(
     out: _Stream,
-    cols: _Columns,
+    cols: _StorageDataColumns,
     fqns: dict[str, int],
     paths: dict[str, int],
     sizes: dict[torch.Size, int],
@@ -263,7 +265,7 @@ def _offset(offset: torch.Size | None, sizes: dict[torch.Size, int]) -> bytes:
 
 def _record(
     out: _Stream,
-    cols: _Columns,
+    cols: _StorageDataColumns,
     i: int,
     memo: tuple[dict[str, int], dict[str, int], dict[torch.Size, int]],
     names: dict[str, str],
