@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from cloudckpt.formats.dcp.ranges import TENSOR_DATA_KEY, plain_info, with_records
-from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter, read_metadata
+from cloudckpt.formats.dcp.storage import CloudStorageWriter, read_metadata
+from cloudckpt.formats.dcp.stored_items import METADATA_FNAME
 from cloudckpt.storage import open_checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))

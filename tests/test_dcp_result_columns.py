@@ -38,7 +38,8 @@ from cloudckpt.formats.dcp.columns import (
 from cloudckpt.formats.dcp.plan import apply_global_plan_update, global_plan_updates
 from cloudckpt.formats.dcp.ranges import RecordedStorageInfo, plain_info
 from cloudckpt.formats.dcp.steps import column_keys, create_global_plan, writes_columns
-from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter, read_metadata
+from cloudckpt.formats.dcp.storage import CloudStorageWriter, read_metadata
+from cloudckpt.formats.dcp.stored_items import METADATA_FNAME
 from cloudckpt.formats.dcp.unpickler import load_dcp_metadata
 from cloudckpt.storage import open_checkpoint
 

@@ -47,7 +47,8 @@ from cloudckpt.formats.dcp.ranges import (
     storage_record,
 )
 from cloudckpt.formats.dcp.reader import DcpCheckpoint
-from cloudckpt.formats.dcp.storage import METADATA_FNAME, read_metadata
+from cloudckpt.formats.dcp.storage import read_metadata
+from cloudckpt.formats.dcp.stored_items import METADATA_FNAME
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.storage.blocks import BLOCK_SIZE
 from cloudckpt.storage.pool import process_stats

@@ -27,6 +27,11 @@ goes below a prefix of that many hex digits of a hash of its name
 DCP reader finds them.
 ``.metadata`` is written directly by the coordinator (no temporary file and rename):
 the checkpoint becomes visible only with cloudckpt's commit, which follows.
+
+The parts: :mod:`.metadata_build` builds the global ``Metadata`` from the write results,
+:mod:`.stored_items` locates and decodes one stored item; this module holds the writer,
+Megatron-Core's metadata classes, :func:`read_metadata` and the reader, and re-exports
+what the strategies and :mod:`.reader` use of the others.
 """
 
 from __future__ import annotations
@@ -42,9 +47,8 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, TypeVar
 
-import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -74,7 +78,10 @@ from cloudckpt.formats.dcp.columns import (
 )
 from cloudckpt.formats.dcp.extra import PickledExtra, merge_extras
 from cloudckpt.formats.dcp.item_templates import ItemTemplates
-from cloudckpt.formats.dcp.metadata_check import check_storage_info
+from cloudckpt.formats.dcp.metadata_build import _share_sizes, _storage_data
+from cloudckpt.formats.dcp.metadata_build import (  # re-exported: strategies.torch, dcp.save
+    merge_metadata as merge_metadata,  # noqa: PLC0414
+)
 from cloudckpt.formats.dcp.metadata_pickle import dumps_metadata_columns
 from cloudckpt.formats.dcp.metadata_pickle_dict import dumps_metadata
 from cloudckpt.formats.dcp.objects import (
@@ -85,15 +92,25 @@ from cloudckpt.formats.dcp.objects import (
     planned_size,
     without_zip_crc32,
 )
-from cloudckpt.formats.dcp.ranges import TENSOR_DATA_KEY, RecordedStorageInfo, plain_info
+from cloudckpt.formats.dcp.ranges import TENSOR_DATA_KEY
+from cloudckpt.formats.dcp.stored_items import (  # re-exported: strategies, dcp.reader, dcp.save
+    METADATA_FNAME as METADATA_FNAME,  # noqa: PLC0414
+)
+from cloudckpt.formats.dcp.stored_items import (  # re-exported: dcp.reader
+    item_request as item_request,  # noqa: PLC0414
+)
+from cloudckpt.formats.dcp.stored_items import (  # re-exported: dcp.reader
+    load_object_item as load_object_item,  # noqa: PLC0414
+)
+from cloudckpt.formats.dcp.stored_items import (  # re-exported: dcp.reader
+    load_tensor_item as load_tensor_item,  # noqa: PLC0414
+)
 from cloudckpt.formats.dcp.unpickler import load_dcp_metadata
 from cloudckpt.huge_pages import without_huge_page_advice
-from cloudckpt.safe_pickle import load_torch_pickle
-from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
+from cloudckpt.storage import CheckpointStorage, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
 from cloudckpt.storage.buffers import Progress
 
-METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 DCP_VERSION = "1.0.0"
 DEFAULT_OBJECT_SIZE = 256 * 1024 * 1024
@@ -410,95 +427,6 @@ class CloudStorageWriter(StorageWriter):
         return False
 
 
-def _share_sizes(metadata: Metadata) -> dict[torch.Size, torch.Size]:
-    """Make equal chunk offsets and sizes of ``metadata`` one object each (there are few
-    distinct ones: the chunks of a layout repeat); the pool of them."""
-    pool: dict[torch.Size, torch.Size] = {}
-    for value in metadata.state_dict_metadata.values():
-        for chunk in getattr(value, "chunks", ()):
-            chunk.offsets = pool.setdefault(chunk.offsets, chunk.offsets)
-            chunk.sizes = pool.setdefault(chunk.sizes, chunk.sizes)
-    return pool
-
-
-def _storage_data(
-    results: list[list[DcpWriteResult]],
-    sizes: dict[torch.Size, torch.Size],
-    keys: dict[str, str],
-) -> tuple[dict[MetadataIndex, Any], dict[str, dict[tuple[int, ...], tuple[int, int]]]]:
-    """``Metadata.storage_data`` (each item's DCP ``_StorageInfo``, its record dropped)
-    and per key the records of its items (``{offsets: (start, nbytes)}``), in one pass.
-    Each index's offset and key become the equal ones of ``sizes`` and ``keys`` (the
-    items of one key come from several ranks: as one string, pickled once)."""
-    storage: dict[MetadataIndex, Any] = {}
-    tables: dict[str, dict[tuple[int, ...], tuple[int, int]]] = {}
-    points: dict[torch.Size, tuple[int, ...]] = {}  # the records' keys, one tuple each
-    for rank in results:
-        for result in rank:
-            index, info = result.index, result.storage_data
-            fqn = keys.get(index.fqn)
-            if fqn is not None and fqn is not index.fqn:
-                object.__setattr__(index, "fqn", fqn)  # as MetadataIndex sets it
-            offset = index.offset
-            if offset is not None:
-                shared = sizes.get(offset)
-                if shared is not None and shared is not offset:
-                    object.__setattr__(index, "offset", shared)  # as MetadataIndex sets it
-            if type(info) is RecordedStorageInfo:
-                record = info.record
-                info = _plain_info(info)
-                if record is not None and offset is not None:
-                    table = tables.get(index.fqn)
-                    if table is None:
-                        table = tables[index.fqn] = {}
-                    point = points.get(offset)
-                    if point is None:
-                        point = points[offset] = tuple(offset)
-                    table[point] = (int(record[0]), int(record[1]))
-            storage[index] = info
-    return storage, tables
-
-
-#: building ``_StorageInfo`` from its instance dict is exact only for a dataclass with one
-_FAST_INFO = not hasattr(_StorageInfo, "__slots__") and [f.name for f in fields(_StorageInfo)] == [
-    "relative_path",
-    "offset",
-    "length",
-    "transform_descriptors",
-]
-
-
-def _plain_info(info: RecordedStorageInfo) -> _StorageInfo:
-    """DCP's ``_StorageInfo`` of ``info`` (:func:`~cloudckpt.formats.dcp.ranges.
-    plain_info`), its instance dict as the constructor makes it, without calling it."""
-    if not _FAST_INFO:
-        return plain_info(info)  # type: ignore[no-any-return]
-    plain = object.__new__(_StorageInfo)
-    plain.__dict__.update(
-        relative_path=info.relative_path,
-        offset=info.offset,
-        length=info.length,
-        transform_descriptors=info.transform_descriptors,
-    )
-    return plain
-
-
-def merge_metadata(parts: list[Metadata]) -> Metadata:
-    """One ``Metadata`` describing the items of several DCP saves into one checkpoint
-    (their keys must be distinct)."""
-    merged = parts[0]
-    for part in parts[1:]:
-        clash = set(merged.state_dict_metadata) & set(part.state_dict_metadata)
-        if clash:
-            raise CheckpointingException(f"keys saved twice: {sorted(clash)[:10]}")
-        merged.state_dict_metadata.update(part.state_dict_metadata)
-        merged.storage_data = {**(merged.storage_data or {}), **(part.storage_data or {})}
-        extra = getattr(part, "mcore_data", None)
-        if extra:
-            merged.mcore_data = {**getattr(merged, "mcore_data", {}), **extra}  # type: ignore[attr-defined]
-    return merged
-
-
 @dataclass
 class MCoreMetadata(Metadata):
     """DCP ``Metadata`` with Megatron-Core's per-tensor data (``mcore_data``).
@@ -558,57 +486,6 @@ def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) 
     if not isinstance(metadata, Metadata):
         raise MalformedCheckpointError(f"{where} holds a {type(metadata).__name__}, not Metadata")
     return metadata
-
-
-def item_request(
-    storage: CheckpointStorage, metadata: Metadata, index: MetadataIndex
-) -> ReadRequest:
-    """The ranged read of one stored item."""
-    info = (metadata.storage_data or {}).get(index)
-    if not isinstance(info, _StorageInfo):
-        raise CheckpointNotFoundError(
-            f"checkpoint {storage.uri!r}: no stored item for {index.fqn!r} at offset "
-            f"{tuple(index.offset) if index.offset is not None else None}"
-        )
-    check_storage_info(index.fqn, info, storage.child_uri(METADATA_FNAME))
-    if info.transform_descriptors:
-        raise CheckpointingException(
-            f"checkpoint {storage.uri!r}: item {index.fqn!r} uses DCP stream transforms "
-            f"{list(info.transform_descriptors)}, which cloudckpt does not read"
-        )
-    return ReadRequest(info.relative_path, info.offset, info.offset + info.length)
-
-
-def load_tensor_item(raw: bytes, where: str) -> torch.Tensor:
-    """Decode a tensor item (``torch.save`` bytes, tensors only)."""
-    try:
-        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointingException(f"{where}: cannot decode the tensor item: {exc}") from exc
-    if not isinstance(tensor, torch.Tensor):
-        raise CheckpointingException(f"{where}: item holds a {type(tensor).__name__}")
-    return tensor
-
-
-def load_object_item(
-    raw: bytes, where: str, weights_only: bool | None = None, what: str = "sharded object"
-) -> Any:
-    """Decode a bytes item as Megatron-Core writes it, ``torch.save([data])``: the
-    one-element list is unwrapped (a ``BytesIO`` inside is decoded too). Restricted
-    unless trusted (:func:`cloudckpt.safe_pickle.load_torch_pickle`); ``where`` and
-    ``what`` name the item in an error (:class:`MalformedCheckpointError` for bytes
-    that do not decode: a ``.metadata`` whose item range is wrong, say)."""
-    try:
-        value = load_torch_pickle(raw, where, what, weights_only)
-        if isinstance(value, io.BytesIO):
-            value = load_torch_pickle(value.getvalue(), where, what, weights_only)
-    except CheckpointingException:
-        raise
-    except Exception as exc:  # what a damaged pickle raises is open-ended
-        raise MalformedCheckpointError(f"{where}: cannot decode the {what}: {exc!r}") from exc
-    if isinstance(value, list) and value:
-        value = value[0]
-    return value
 
 
 class CloudStorageReader(StorageReader):
