@@ -38,7 +38,7 @@ from cloudckpt.errors import CheckpointingException
 from cloudckpt.formats.dcp.objects import BufferedObject
 from cloudckpt.formats.dcp.storage import DEFAULT_OBJECT_SIZE, CloudStorageWriter
 from cloudckpt.storage import CheckpointStorage, WriteResult, open_checkpoint
-from cloudckpt.strategies.base import checkpoint_uri
+from cloudckpt.storage.location import checkpoint_uri
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,8 @@ class FileSystemWriterAsync(CloudStorageWriter):
 
     #: Planning goes through the coordinator (it merges the N-D flattened metadata).
     can_run_decentralized_global_plan = False
+
+    keeps_plan_items = True  # its global step is cloudckpt's writer's; its writes differ
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ import array
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ def _linear_global(
     (the hints are only returned: :func:`apply_global_plan_update` sets them)."""
     md: dict[str, _STORAGE] = {}
     tensors: dict[str, _Tensor] = {}
-    columns: dict[int, _Columns] = {}
+    columns: dict[int, _RankChunks] = {}
     new_plans = []
     all_hints = []
     for plan in all_plans:
@@ -103,14 +103,14 @@ def _linear_global(
 
 #: a tensor's chunks in the metadata, its id among the tensors of its rank, its rank
 #: (number of dimensions) and the columns of its chunks
-_Tensor = tuple[list[ChunkStorageMetadata], int, int, "_Columns"]
+_Tensor = tuple[list[ChunkStorageMetadata], int, int, "_RankChunks"]
 
 
 def _plan_hints(
     plan: SavePlan,
     md: dict[str, _STORAGE],
     tensors: dict[str, _Tensor],
-    columns: dict[int, _Columns],
+    columns: dict[int, _RankChunks],
 ) -> array.array[int] | None:
     """Add ``plan``'s items to the metadata and the columns; the index hint of each
     (-1: kept), or None where DCP must decide (a duplicate, a clash, a chunk whose
@@ -155,7 +155,7 @@ def _plan_hints(
 def _new_tensor(
     md: dict[str, _STORAGE],
     tensors: dict[str, _Tensor],
-    columns: dict[int, _Columns],
+    columns: dict[int, _RankChunks],
     fqn: str,
     properties: Any,
     size: torch.Size,
@@ -165,14 +165,14 @@ def _new_tensor(
     ndim = len(size)
     col = columns.get(ndim)
     if col is None:
-        col = columns[ndim] = _Columns(ndim)
+        col = columns[ndim] = _RankChunks(ndim)
     tid = len(col.extents) // max(ndim, 1) if ndim else 0
     col.extents.extend(size)
     entry = tensors[fqn] = (value.chunks, tid, ndim, col)
     return entry
 
 
-class _Columns:
+class _RankChunks:
     """The chunks of the tensors of one rank (number of dimensions), as columns: each
     chunk's tensor id, offsets and sizes; each tensor's size."""
 
@@ -427,6 +427,15 @@ class LinearGlobalPlanMixin(DefaultSavePlanner):
 
     index_hints: list[array.array[int]] | None = None
     items_hinted: bool = True
+    exact_in_columns: ClassVar[bool] = True
+    """The coordinator's step on columns (:meth:`create_global_plan_columns`) gives what
+    this planner's own steps would. Declared: a subclass has it only where its body says
+    so (one that changes a step does not), so that a custom planner gets its own step."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "exact_in_columns" not in cls.__dict__:
+            cls.exact_in_columns = False
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, its equal sizes shared (:func:`share_equal_sizes`)."""

@@ -358,36 +358,28 @@ def create_global_plan(
 
 def keeps_plan_items(writer: StorageWriter) -> bool:
     """Whether ``writer.prepare_global_plan`` keeps each plan's items (it changes only
-    ``storage_data``): cloudckpt's writer, not a subclass that overrides the step."""
-    step = getattr(type(writer), "prepare_global_plan", None)
-    return isinstance(writer, CloudStorageWriter) and step is CloudStorageWriter.prepare_global_plan
+    ``storage_data``): cloudckpt's writer, as its class declares."""
+    return isinstance(writer, CloudStorageWriter) and type(writer).keeps_plan_items
 
 
 def writes_columns(writer: StorageWriter) -> bool:
     """Whether ``writer`` is cloudckpt's own writer, whose steps the columns of
-    :mod:`~cloudckpt.formats.dcp.columns` say exactly: not a subclass that
-    overrides how it plans, writes or finishes."""
-    cls = type(writer)
+    :mod:`~cloudckpt.formats.dcp.columns` say exactly (its class declares it)."""
     return (
-        keeps_plan_items(writer)
-        and cls.write_data is CloudStorageWriter.write_data
-        and cls.finish is CloudStorageWriter.finish
-        and cls.prepare_local_plan is CloudStorageWriter.prepare_local_plan
+        isinstance(writer, CloudStorageWriter)
+        and type(writer).exact_in_columns
+        and (type(writer).keeps_plan_items)
     )
 
 
 def plans_in_columns(planner: SavePlanner, writer: StorageWriter) -> bool:
     """Whether the ranks send their local plans in columns (:class:`~cloudckpt.
-    formats.dcp.columns.PlanColumns`): the planner's coordinator step is
-    cloudckpt's linear one, not overridden (a custom planner, such as Megatron-Core's,
-    gets its own step on the plans as objects), and the writer is cloudckpt's own."""
-    if not isinstance(planner, LinearGlobalPlanMixin):
-        return False
-    cls = type(planner)
+    formats.dcp.columns.PlanColumns`): the planner's coordinator step is cloudckpt's
+    linear one, as its class declares (a custom planner, such as Megatron-Core's, gets
+    its own step on the plans as objects), and the writer is cloudckpt's own."""
     return (
-        cls.create_global_plan is LinearGlobalPlanMixin.create_global_plan
-        and cls.create_global_plan_unhinted is LinearGlobalPlanMixin.create_global_plan_unhinted
-        and cls._global_plan is LinearGlobalPlanMixin._global_plan
+        isinstance(planner, LinearGlobalPlanMixin)
+        and type(planner).exact_in_columns
         and not planner.flatten_state_dict
         and not getattr(planner, "_enable_plan_caching", False)
         and writes_columns(writer)
