@@ -13,13 +13,15 @@ committed by two small create-once writes after all data is stored.
    apart by an all-gather of their 16-byte digests, so the coordinator's merge grows
    with the objects and the distinct tensors, not with ranks x tensors.
 
-:func:`read_commit_state` tells committed, uncommitted and foreign (Megatron-Core or
-PyTorch-written: ``metadata.json`` without a claim or manifest) checkpoints apart.
+Reading the commit objects back (:func:`~cloudckpt.commit_state.read_commit_state`
+tells committed, uncommitted and foreign - Megatron-Core or PyTorch-written:
+``metadata.json`` without a claim or manifest - checkpoints apart) is
+:mod:`cloudckpt.commit_state`; Megatron-Core 0.19's ``integrity.json`` is
+:mod:`cloudckpt.integrity_record`. This module re-exports both modules' names.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -27,9 +29,18 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from cloudckpt.commit_state import (
+    CommitState,
+    CommittedCheckpoint,
+    amend_manifest,
+    no_checkpoint_error,
+    open_committed,
+    read_commit_state,
+    read_manifest,
+)
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from cloudckpt.errors import (
     CheckpointingException,
@@ -37,14 +48,12 @@ from cloudckpt.errors import (
     CheckpointRemovedError,
     CommitConflictError,
     ObjectExistsError,
-    UncommittedCheckpointError,
 )
 from cloudckpt.huge_pages import without_huge_page_advice
+from cloudckpt.integrity_record import integrity_sources, sha256_digests, write_integrity_record
 from cloudckpt.manifest import (
     CLAIM_FNAME,
-    INTEGRITY_FNAME,
     MANIFEST_FNAME,
-    MANIFEST_VERSION,
     CommitRecord,
     Manifest,
     TensorEntry,
@@ -53,179 +62,38 @@ from cloudckpt.manifest import (
 from cloudckpt.storage import CheckpointStorage, WriteResult, crc32c
 from cloudckpt.tombstone import PEEK_BYTES, Tombstone, is_tombstone
 
+__all__ = [
+    "COORDINATOR",
+    "abort_open_uploads",
+    "build_manifest",
+    "claim",
+    "commit",
+    "commit_gathered",
+    "describe_claim",
+    "read_tombstone",
+    "release_claim",
+    "require_empty",
+    "tensor_piece",
+    "uncommit",
+    "withdraw",
+    "write_claim",
+    # re-exported from cloudckpt.commit_state and cloudckpt.integrity_record (the
+    # library's readers of commit objects and the tests import them from here)
+    "CommitState",
+    "CommittedCheckpoint",
+    "amend_manifest",
+    "no_checkpoint_error",
+    "open_committed",
+    "read_commit_state",
+    "read_manifest",
+    "integrity_sources",
+    "sha256_digests",
+    "write_integrity_record",
+]
+
 logger = logging.getLogger(__name__)
 
 COORDINATOR = 0
-
-
-@dataclass(frozen=True)
-class CommitState:
-    """Which of the commit objects exist under a checkpoint URI."""
-
-    metadata: bool
-    manifest: bool
-    claim: bool
-
-    @property
-    def foreign(self) -> bool:
-        """Written by Megatron-Core or PyTorch: ``metadata.json`` but no cloudckpt objects."""
-        return self.metadata and not self.manifest and not self.claim
-
-    @property
-    def absent(self) -> bool:
-        """No commit object at all: whatever is stored there is no checkpoint."""
-        return not (self.metadata or self.manifest or self.claim)
-
-    @property
-    def committed(self) -> bool:
-        """``metadata.json`` and, for a cloudckpt checkpoint, ``manifest.json``."""
-        return self.metadata and (self.manifest or not self.claim)
-
-    def missing(self) -> list[str]:
-        """The commit objects whose absence makes the checkpoint uncommitted."""
-        absent = [] if self.metadata else [CONFIG_FNAME]
-        if self.claim and not self.manifest:
-            absent.insert(0, MANIFEST_FNAME)
-        return absent
-
-    @classmethod
-    def from_names(cls, names: Iterable[str]) -> CommitState:
-        """The state that a listing of the checkpoint's objects shows (no request)."""
-        present = set(names)
-        return cls(CONFIG_FNAME in present, MANIFEST_FNAME in present, CLAIM_FNAME in present)
-
-
-@dataclass(frozen=True)
-class CommittedCheckpoint:
-    """A committed checkpoint's commit records, read once (see :func:`open_committed`).
-
-    Attributes:
-        uri: the checkpoint (redacted).
-        backends: what ``metadata.json`` records.
-        manifest: the manifest; None for a foreign checkpoint (Megatron-Core, PyTorch).
-    """
-
-    uri: str
-    backends: CheckpointingConfig
-    manifest: Manifest | None
-
-    def expected_objects(self) -> dict[str, WriteResult] | None:
-        """Path -> (size, CRC-32C) of every object the manifest lists (None: foreign)."""
-        if self.manifest is None:
-            return None
-        return {e.path: e for e in self.manifest.objects}
-
-
-def read_commit_state(storage: CheckpointStorage) -> CommitState:
-    """Look up the commit objects (three small requests, no data read)."""
-    return CommitState(
-        metadata=storage.exists(CONFIG_FNAME),
-        manifest=storage.exists(MANIFEST_FNAME),
-        claim=storage.exists(CLAIM_FNAME),
-    )
-
-
-def open_committed(storage: CheckpointStorage) -> CommittedCheckpoint:
-    """Read a committed checkpoint's ``metadata.json`` and ``manifest.json``, once.
-
-    Two reads for a cloudckpt checkpoint, three for a foreign one (the claim's absence
-    is what tells it from one whose manifest was lost).
-
-    Raises:
-        CheckpointNotFoundError: no checkpoint at the URI (no commit object there).
-        UncommittedCheckpointError: a claim or manifest without ``metadata.json``, or a
-            claim and ``metadata.json`` without the manifest; names what is missing.
-        CheckpointingException: ``metadata.json`` or ``manifest.json`` is malformed.
-    """
-    raw_config = _read_if_exists(storage, CONFIG_FNAME)
-    raw_manifest = _read_if_exists(storage, MANIFEST_FNAME)
-    state = CommitState(raw_config is not None, raw_manifest is not None, claim=True)
-    if raw_manifest is None:
-        state = dataclasses.replace(state, claim=storage.exists(CLAIM_FNAME))
-    if raw_config is None or not state.committed:
-        raise _not_committed_error(storage, state)
-    manifest = None
-    if raw_manifest is not None:
-        manifest = Manifest.from_json(raw_manifest, storage.child_uri(MANIFEST_FNAME))
-    backends = CheckpointingConfig.from_json(raw_config, storage.child_uri(CONFIG_FNAME))
-    return CommittedCheckpoint(storage.uri, backends, manifest)
-
-
-def _read_if_exists(storage: CheckpointStorage, relpath: str) -> bytes | None:
-    try:
-        return storage.read(relpath)
-    except CheckpointNotFoundError:
-        return None
-
-
-def no_checkpoint_error(uri: str, objects: int) -> CheckpointNotFoundError:
-    """Megatron-Core's ``Checkpoint directory URI does not exist`` (nothing there) or
-    ``URI is not a distributed checkpoint`` (``objects`` objects, no commit record), with
-    cloudckpt's ``no checkpoint at URI: ...`` appended; ``uri`` redacted."""
-    if not objects:
-        return CheckpointNotFoundError(
-            f"Checkpoint directory {uri} does not exist "
-            f"(no checkpoint at {uri!r}: nothing is stored there)"
-        )
-    return CheckpointNotFoundError(
-        f"{uri} is not a distributed checkpoint (no checkpoint at {uri!r}: it holds {objects} "
-        f"object{'s' if objects != 1 else ''} but no {CONFIG_FNAME}, {MANIFEST_FNAME} or "
-        f"{CLAIM_FNAME}: a parent prefix, or another kind of data?)"
-    )
-
-
-def _not_committed_error(
-    storage: CheckpointStorage, state: CommitState
-) -> CheckpointNotFoundError | UncommittedCheckpointError:
-    """Why a checkpoint in ``state`` cannot be loaded: none there, or not committed
-    (Megatron-Core's ``URI is not a distributed checkpoint``, with the details)."""
-    if state.absent:
-        return no_checkpoint_error(storage.uri, len(storage.list()))
-    return UncommittedCheckpointError(
-        f"{storage.uri} is not a distributed checkpoint: checkpoint {storage.uri!r} is not "
-        f"committed: {' and '.join(state.missing())} "
-        f"{'is' if len(state.missing()) == 1 else 'are'} missing (the save failed, is still "
-        "running, or the file was deleted); `cloudckpt verify` shows what is there"
-    )
-
-
-def read_manifest(storage: CheckpointStorage) -> Manifest | None:
-    """The checkpoint's manifest, or None when it has none."""
-    if not storage.exists(MANIFEST_FNAME):
-        return None
-    return Manifest.from_json(storage.read(MANIFEST_FNAME), storage.child_uri(MANIFEST_FNAME))
-
-
-def amend_manifest(
-    storage: CheckpointStorage,
-    *,
-    rewritten: Sequence[WriteResult] = (),
-    deleted: Sequence[str] = (),
-    removed_tensors: Sequence[str] = (),
-) -> None:
-    """Record an edit of a committed checkpoint (``remove_sharded_tensors``) in its
-    manifest: objects rewritten or deleted, tensors removed. The manifest is replaced in
-    place; this is the one write of ``manifest.json`` that is not create-only. A
-    checkpoint without a manifest (foreign) is left as it is.
-    """
-    manifest = read_manifest(storage)
-    if manifest is None:
-        return
-    new = {r.path: r for r in rewritten}
-    gone = set(deleted)
-    objects = tuple(
-        new.pop(e.path, e)
-        for e in manifest.objects
-        if e.path not in gone and not any(e.path.startswith(d + "/") for d in gone)
-    ) + tuple(new.values())
-    tensors = tuple(t for t in manifest.tensors if t.key not in set(removed_tensors))
-    # in the current version: rewritten objects come with block CRCs (a version-1
-    # manifest's other entries have none, and are read as before)
-    amended = dataclasses.replace(
-        manifest, objects=objects, tensors=tensors, version=MANIFEST_VERSION
-    )
-    storage.write(MANIFEST_FNAME, amended.to_json())
-    logger.info("amended %s: %d objects", storage.child_uri(MANIFEST_FNAME), len(objects))
 
 
 # -- removal: the protocol in reverse ------------------------------------------------------
@@ -576,33 +444,3 @@ def _warn_if_not_exclusive(storage: CheckpointStorage) -> None:
         storage.uri,
         what,
     )
-
-
-def integrity_sources(storage: CheckpointStorage) -> list[tuple[str, int]]:
-    """``(path, size)`` of every object of a committed checkpoint that Megatron-Core
-    0.19's ``integrity.json`` lists (all but itself), largest first: what
-    :func:`sha256_digests` reads, a share per rank. Coordinator only."""
-    listing = storage.list_sizes()
-    items = [(path, size) for path, size in listing.items() if path != INTEGRITY_FNAME]
-    return sorted(items, key=lambda item: (-item[1], item[0]))
-
-
-def sha256_digests(storage: CheckpointStorage, items: Sequence[tuple[str, int]]) -> dict[str, str]:
-    """Hex SHA-256 of each ``(path, size)`` object, read back ``max_in_flight`` at once."""
-    digests = storage.map(lambda item: storage.sha256(*item), list(items))
-    return {path: digest for (path, _), digest in zip(items, digests, strict=True)}
-
-
-def write_integrity_record(storage: CheckpointStorage, digests: Mapping[str, str]) -> WriteResult:
-    """Megatron-Core 0.19's ``integrity.json``, ``{"algorithm": "sha256", "files": ...}``,
-    written create-only: what ``save(..., verify_integrity=True)`` adds after the commit,
-    as Megatron-Core does after ``metadata.json``, so that its ``load(...,
-    verify_integrity=True)`` can check cloudckpt's checkpoints too. Coordinator only.
-
-    Raises:
-        ObjectExistsError: the checkpoint has an integrity record already.
-    """
-    payload = {"algorithm": "sha256", "files": dict(sorted(digests.items()))}
-    written = storage.write(INTEGRITY_FNAME, json.dumps(payload, indent=2).encode(), exclusive=True)
-    logger.info("wrote %s: SHA-256 of %d objects at %s", INTEGRITY_FNAME, len(digests), storage.uri)
-    return written

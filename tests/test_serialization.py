@@ -288,7 +288,7 @@ def test_remove_sharded_tensors(location, backend):
 
 
 def _manifest_tensor_keys(location) -> list[str]:
-    from cloudckpt.commit import read_manifest  # noqa: PLC0415
+    from cloudckpt.commit_state import read_manifest  # noqa: PLC0415
 
     manifest = read_manifest(_storage(location))
     assert manifest is not None

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import cloudckpt
 from cloudckpt import ShardedTensor
-from cloudckpt.commit import amend_manifest, open_committed
+from cloudckpt.commit_state import amend_manifest, open_committed
 from cloudckpt.errors import CorruptObjectError
 from cloudckpt.formats.dcp.ranges import (
     TENSOR_DATA_KEY,

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
-from cloudckpt.commit import amend_manifest
+from cloudckpt.commit_state import amend_manifest
 from cloudckpt.errors import CheckpointingException, UnsafePickleError
 from cloudckpt.formats.dcp.storage import CloudStorageReader, CloudStorageWriter, read_metadata
 from cloudckpt.launch import RankPool
