@@ -190,8 +190,8 @@ def _off_grid_on_rank_2(rank: int, world: int, uri: str) -> dict:
         0,
         flattened_range=slice(2 * rank, 2 * rank + 2),
     )
-    strategy = ZarrSaveShardedStrategy()
-    return _outcome(strategy.save_to, open_checkpoint(uri), {"t": sh})
+    fmt = ZarrSaveShardedStrategy().save_format()
+    return _outcome(fmt.plan, open_checkpoint(uri), {"t": sh})
 
 
 def test_a_rank_failing_before_the_plan_fails_every_rank(rank_pool, tmp_path) -> None:

@@ -108,6 +108,10 @@ T = TypeVar("T", ShardedObject, ShardedTensor)
 
 EXCHANGE_ALGOS = ("broadcast", "gather_object", "gather_rounds")
 
+# Megatron-Core's module-level names for the load's split (cloudckpt.replicas)
+_defer_loading_sharded_items = defer_loading_sharded_items
+_fill_in_deferred_sharded_items = fill_in_deferred_sharded_items
+
 _OBJECTS, _TENSORS = "objects", "tensors"
 """The two parts of a fully parallel load's one call of the wrapped strategy."""
 
