@@ -26,7 +26,8 @@ from cloudckpt.errors import (
 )
 from cloudckpt.formats.dcp.objects import ITEM_OVERHEAD
 from cloudckpt.formats.dcp.save import _PackedObjectsSavePlanner, dcp_save
-from cloudckpt.formats.dcp.storage import CloudStorageReader, CloudStorageWriter
+from cloudckpt.formats.dcp.storage import CloudStorageWriter
+from cloudckpt.formats.dcp.storage_reader import CloudStorageReader
 from cloudckpt.manifest import Manifest
 from cloudckpt.storage import CheckpointStorage
 from cloudckpt.strategies.base import get_default_strategy

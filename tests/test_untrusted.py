@@ -40,7 +40,8 @@ import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.commit_state import amend_manifest
 from cloudckpt.errors import CheckpointingException, UnsafePickleError
-from cloudckpt.formats.dcp.storage import CloudStorageReader, CloudStorageWriter, read_metadata
+from cloudckpt.formats.dcp.storage import CloudStorageWriter, read_metadata
+from cloudckpt.formats.dcp.storage_reader import CloudStorageReader
 from cloudckpt.launch import RankPool
 from cloudckpt.safe_pickle import TRUST_ENV, allowed_globals
 from cloudckpt.storage import CheckpointStorage

@@ -1,4 +1,5 @@
-"""PyTorch DCP ``StorageWriter`` / ``StorageReader`` over :class:`CheckpointStorage`.
+"""PyTorch DCP ``StorageWriter`` over :class:`CheckpointStorage`, and the reading of
+``.metadata`` (the ``StorageReader`` is :mod:`.storage_reader`'s).
 
 The files are those of DCP's ``FileSystemWriter``: ``.metadata`` (the pickled
 :class:`~torch.distributed.checkpoint.metadata.Metadata`) and ``__<rank>_<i>.distcp``
@@ -30,14 +31,13 @@ the checkpoint becomes visible only with cloudckpt's commit, which follows.
 
 The parts: :mod:`.metadata_build` builds the global ``Metadata`` from the write results,
 :mod:`.stored_items` locates and decodes one stored item; this module holds the writer,
-Megatron-Core's metadata classes, :func:`read_metadata` and the reader, and re-exports
-what the strategies and :mod:`.reader` use of the others.
+Megatron-Core's metadata classes and :func:`read_metadata`, and re-exports what the
+strategies and :mod:`.reader` use of the others.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -49,15 +49,8 @@ from typing import Any, ClassVar, TypeVar
 
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from torch.futures import Future
 
@@ -486,72 +479,3 @@ def read_metadata(storage: CheckpointStorage, weights_only: bool | None = None) 
     if not isinstance(metadata, Metadata):
         raise MalformedCheckpointError(f"{where} holds a {type(metadata).__name__}, not Metadata")
     return metadata
-
-
-class CloudStorageReader(StorageReader):
-    """DCP storage reader over cloudckpt's storage layer (any fsspec URI).
-
-    For ``torch.distributed.checkpoint.load(state_dict, storage_reader=...)``: reads
-    the items of the plan with concurrent ranged reads. ``.metadata`` is unpickled
-    restricted (:func:`read_metadata`); bytes items go to the planner as they are, and
-    DCP's ``DefaultLoadPlanner`` unpickles them with ``torch.load(weights_only=False)``:
-    with an untrusted checkpoint, pass a planner that does not (cloudckpt's own loads
-    do not use this reader for objects).
-    """
-
-    def __init__(self, storage: CheckpointStorage) -> None:
-        super().__init__()
-        self.storage = storage
-        self.metadata: Metadata | None = None
-        self.storage_columns: StorageColumns | None = None
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.metadata = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self.storage)
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = uuid.uuid4().hex
-        return metadata
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        self.metadata = metadata
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self.metadata is None:
-            raise CheckpointingException("read_data called before set_up_storage_reader")
-        requests = [item_request(self.storage, self.metadata, r.storage_index) for r in plan.items]
-        unique = sorted(set(requests), key=lambda r: (r.path, r.start))
-        fetched = dict(zip(unique, self.storage.read_many(unique), strict=True))
-        for item, request in zip(plan.items, requests, strict=True):
-            raw = fetched[request]
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(raw))
-                continue
-            tensor = load_tensor_item(raw, self.storage.child_uri(request.path))
-            spans = zip(item.storage_offsets, item.lengths, strict=True)
-            for dim, (start, length) in enumerate(spans):
-                tensor = tensor.narrow(dim, start, length)
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(tensor)
-            planner.commit_tensor(item, target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.storage.uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False
