@@ -67,7 +67,7 @@ from cloudckpt.config import (
     GiB,
     MiB,
 )
-from cloudckpt.formats.zarr.layout import tensor_bytes
+from cloudckpt.formats.tensor_bytes import tensor_bytes
 from cloudckpt.storage.buffers import plan_parts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

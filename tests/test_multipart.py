@@ -18,7 +18,7 @@ import torch
 
 from cloudckpt.config import S3_MIN_PART_SIZE, CheckpointConfig
 from cloudckpt.errors import StorageError
-from cloudckpt.formats.zarr.layout import tensor_bytes
+from cloudckpt.formats.tensor_bytes import tensor_bytes
 from cloudckpt.storage import CheckpointStorage, ReadRequest, crc32c
 from tests.fixtures_object_stores import S3Endpoint, StoreLocation
 

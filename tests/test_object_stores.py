@@ -25,7 +25,7 @@ from botocore.exceptions import ClientError
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor
 from cloudckpt.errors import CheckpointNotFoundError
-from cloudckpt.formats.zarr.layout import tensor_bytes
+from cloudckpt.formats.tensor_bytes import tensor_bytes
 from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from tests import servers
 from tests._gcs_emulator_launcher import parse_multipart_related

@@ -26,7 +26,7 @@ from cloudckpt.errors import (
     InvalidKeyError,
     StorageError,
 )
-from cloudckpt.formats.zarr.layout import tensor_bytes
+from cloudckpt.formats.tensor_bytes import tensor_bytes
 from cloudckpt.storage import (
     CheckpointStorage,
     ReadRequest,

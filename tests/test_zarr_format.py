@@ -20,15 +20,14 @@ from cloudckpt.errors import (
     CheckpointKeyNotFoundError,
     IncompatibleCheckpointError,
 )
+from cloudckpt.formats.tensor_bytes import bytes_to_tensor, tensor_bytes
 from cloudckpt.formats.zarr.layout import (
     ArrayMeta,
-    bytes_to_tensor,
     decode_chunk,
     decode_dtype,
     encode_dtype,
     overlapping_chunks,
     row_byte_range,
-    tensor_bytes,
 )
 from cloudckpt.formats.zarr.reader import TensorReader
 from cloudckpt.storage import CheckpointStorage

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 from cloudckpt.config import MiB
 from cloudckpt.formats.dcp.torch_zip import Reader, ZipLayoutError, find_storage
-from cloudckpt.formats.zarr.layout import bytes_to_tensor
+from cloudckpt.formats.tensor_bytes import bytes_to_tensor
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import ReadRequest
 from cloudckpt.storage.buffers import BufferReader

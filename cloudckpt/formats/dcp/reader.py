@@ -60,7 +60,7 @@ from cloudckpt.formats.dcp.storage import (
     load_tensor_item,
     read_metadata,
 )
-from cloudckpt.formats.zarr.layout import tensor_bytes
+from cloudckpt.formats.tensor_bytes import tensor_bytes
 from cloudckpt.mapping import ShardedObject, ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest
 from cloudckpt.validation import chunk_shape

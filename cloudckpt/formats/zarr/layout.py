@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from cloudckpt.errors import IncompatibleCheckpointError, MalformedCheckpointError
+from cloudckpt.formats.tensor_bytes import bytes_to_tensor
 
 ZARRAY = ".zarray"
 
@@ -243,21 +243,6 @@ def shard_chunk_indices(
         tuple(i * p + b for i, p, b in zip(shard_index, per_shard, block, strict=True))
         for block in itertools.product(*(range(p) for p in per_shard))
     ]
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor's memory (copied only if it is not contiguous)."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().data.cast("B")
-
-
-def bytes_to_tensor(raw: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
-    """View bytes as a flat tensor of ``dtype`` (read-only input is fine: callers copy out)."""
-    if len(raw) == 0:
-        return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # non-writable buffer; never written to
-        return torch.frombuffer(raw, dtype=dtype)
 
 
 def decode_chunk(meta: ArrayMeta, raw: bytes, where: str = "") -> torch.Tensor:

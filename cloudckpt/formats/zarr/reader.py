@@ -23,15 +23,14 @@ from cloudckpt.errors import (
     CheckpointNotFoundError,
     TensorMismatchError,
 )
+from cloudckpt.formats.tensor_bytes import bytes_to_tensor, tensor_bytes
 from cloudckpt.formats.zarr.layout import (
     ZARRAY,
     ArrayMeta,
     ChunkOverlap,
-    bytes_to_tensor,
     decode_chunk,
     overlapping_chunks,
     row_byte_range,
-    tensor_bytes,
 )
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import CheckpointStorage, ReadRequest

@@ -30,13 +30,13 @@ from cloudckpt.config import CheckpointConfig
 from cloudckpt.dict_utils import nested_values
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.formats.protocol import FormatTraits, Written
+from cloudckpt.formats.tensor_bytes import tensor_bytes
 from cloudckpt.formats.zarr.layout import (
     ZARRAY,
     ArrayMeta,
     encode_dtype,
     shard_chunk_indices,
     split_chunk_shape,
-    tensor_bytes,
 )
 from cloudckpt.manifest import TensorEntry
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, is_main_replica
