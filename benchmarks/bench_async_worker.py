@@ -1,5 +1,5 @@
 """Where should an async save upload: a thread of the training process, or a persistent
-worker process? (Issue 14, item 1: measure both and choose.)
+worker process? Both are measured here.
 
 Both modes upload the same staged bytes with the same cloudckpt storage
 (``CheckpointStorage.write_many``) while the training process keeps stepping:

@@ -1,6 +1,6 @@
 """Client CPU per GB of a torch_dist save to SeaweedFS, against the raw multipart PUT.
 
-Issue 14's S3 save target (>= 0.9x the raw concurrent PUTs of the same bytes) is set on
+The S3 save target (>= 0.9x the raw concurrent PUTs of the same bytes) is set on
 a 2-core machine where SeaweedFS runs beside the ranks: every CPU-second the client
 spends per GB is taken from the server. This script measures that cost, for one
 process (a world of 1) saving ``--size`` bytes of the bench's synthetic state:

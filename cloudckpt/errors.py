@@ -240,7 +240,7 @@ class UnsafePickleError(CheckpointingException, pickle.UnpicklingError):
         return (type(self), (str(self), self.forbidden))
 
 
-# -- bad input (issue 12, item 7): appended here to ease merging ----------------------------
+# -- bad input ---------------------------------------------------------------------------
 
 
 class KeyCollisionError(InvalidKeyError):

@@ -1,4 +1,4 @@
-"""Bad input: one test per row of the README's "Bad input" table (issue 12, item 7).
+"""Bad input: one test per row of the README's "Bad input" table.
 
 Each test asserts the exception class and what its message names (URI, key, rank,
 file), and, for the save-side rows, that nothing was written: the check ran before the

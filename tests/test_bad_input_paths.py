@@ -1,4 +1,4 @@
-"""Keys whose object paths the store cannot hold (issue 30): refused before the claim
+"""Keys whose object paths the store cannot hold: refused before the claim
 with an InvalidKeyError listing them with their ranks, nothing stored, and the
 corrected retry to the same URI commits. zarr derives paths from keys
 (``<key>/.zarray``, ``<key>/<chunk>``, ``<key>/shard_<o>_<s>.pt``), torch_dist does not

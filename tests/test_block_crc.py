@@ -1,4 +1,4 @@
-"""Block CRCs (issue 12, item 4): every byte a load returns is checked against a CRC-32C
+"""Block CRCs: every byte a load returns is checked against a CRC-32C
 the writer measured, ranged (resharded) loads included, at about the bytes read before.
 
 * The CRC arithmetic and the manifest format (version 2, and version 1 still loading).

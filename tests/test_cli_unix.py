@@ -1,4 +1,4 @@
-"""The ``cloudckpt`` command line as a Unix tool (issue 30, item 4): output piped into a
+"""The ``cloudckpt`` command line as a Unix tool: output piped into a
 reader that stops early (``| head -1``) ends the command quietly with status 141, as a
 process killed by SIGPIPE; ``ls`` of a prefix whose checkpoints sit one level deeper
 says where they are. The real command in a subprocess, through real pipes."""

@@ -1,4 +1,4 @@
-"""Malformed fields of a checkpoint's own files (issue 30): every field read from
+"""Malformed fields of a checkpoint's own files: every field read from
 ``metadata.json``, ``manifest.json`` and a DCP ``.metadata`` is checked for its type
 before use, so a wrong one is a MalformedCheckpointError naming the file and the field
 (never a raw TypeError), and no load returns a wrong tensor. The files are damaged as

@@ -1,4 +1,4 @@
-"""The client CPU of an S3 save (issue 14: cloudckpt/storage/s3.py, streams.py, the
+"""The client CPU of an S3 save (cloudckpt/storage/s3.py, streams.py, the
 torch_dist writer on S3).
 
 * A body of pieces reads, seeks and checksums as its concatenation.

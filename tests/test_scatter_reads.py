@@ -1,4 +1,4 @@
-"""Scatter reads (issue 14, load): on object stores the buffers of one object are filled
+"""Scatter reads: on object stores the buffers of one object are filled
 by GETs of merged runs of their blocks, streamed straight into them (no copy of the
 run), every block checked across the buffers and scratch it spans.
 

@@ -1,4 +1,4 @@
-"""Secrets never reach logs, errors, reprs or CLI output (issue 12, item 8).
+"""Secrets never reach logs, errors, reprs or CLI output.
 
 Real operations run with DEBUG logging for every logger - cloudckpt's and those of the
 clients under it (s3fs, fsspec, botocore, aiobotocore, gcsfs, google-auth, urllib3,

@@ -1,4 +1,4 @@
-"""Megatron-Core's serialization API (issue 13, items 3, 4, 5 and 9), with 4 real gloo
+"""Megatron-Core's serialization API, with 4 real gloo
 ranks where it is collective.
 
 * ``save`` defaults to torch_dist; ``get_default_save_sharded_strategy``,

@@ -1,4 +1,4 @@
-"""Megatron-Core's meaning of missing and unexpected keys (issue 13, items 1 and 7), with
+"""Megatron-Core's meaning of missing and unexpected keys, with
 4 real gloo ranks and in one process.
 
 *Missing* keys are stored in the checkpoint but requested by no rank (only the ``*_ALL``

@@ -1,4 +1,4 @@
-"""What a save and a load log (issue 13, item 8), with 4 real gloo ranks.
+"""What a save and a load log, with 4 real gloo ranks.
 
 A clean load logs nothing at WARNING or above; cloudckpt's progress lines are INFO; and
 the PyTorch DCP calls of the torch_dist backend do not leak PyTorch's DEBUG records into

@@ -1,4 +1,4 @@
-"""Uneven sharding and dtype casts on load (issue 13, items 2 and 6), with 4 real gloo
+"""Uneven sharding and dtype casts on load, with 4 real gloo
 ranks.
 
 Uneven sharding - shards of one tensor with different local shapes, no regular grid

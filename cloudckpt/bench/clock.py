@@ -4,7 +4,7 @@ by the rank process (every thread) and by the store's process when it runs on th
 On a host whose cores are all busy, a phase is bound by CPU, not by the store or the
 network: the sum of every process's CPU seconds is close to wall x cores, and one
 client's CPU seconds per GB moved is what decides its speed. That is the figure which
-tells a Python-bound client from a store-bound one (issue 14's "profile, not a guess").
+tells a Python-bound client from a store-bound one ("profile, not a guess").
 """
 
 from __future__ import annotations

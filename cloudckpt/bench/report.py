@@ -107,7 +107,7 @@ def summarize(
         "peak_rss_growth_bytes": {
             phase: [r["rss_growth"][phase] for r in ranks] for phase in ranks[0]["rss_growth"]
         },
-        # issue 14's bound for a sync save: state + part_size x max_in_flight + 64 MiB
+        # bound for a sync save: state + part_size x max_in_flight + 64 MiB
         "sync_save_rss_bound_bytes": [
             r["state_bytes"] + part_size * max_in_flight + 64 * MiB for r in ranks
         ],
