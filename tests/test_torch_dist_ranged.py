@@ -1,4 +1,5 @@
-"""Resharded torch_dist loads read only the bytes of the stored items they need: a TP2-saved tensor loaded as TP4 reads each quarter, not each half.
+"""Resharded torch_dist loads read only the bytes of the stored items they need: a
+TP2-saved tensor loaded as TP4 reads each quarter, not each half.
 
 * The pieces: where ``torch.save`` puts a tensor's elements (:func:`storage_record`),
   the C-order runs of a box and their widening over small gaps; the storage layer's
