@@ -75,8 +75,9 @@ import): the first line prints both. Where ``defrag`` is ``madvise``, an advised
 may wait for the kernel to compact memory (numpy/numpy#31590). cloudckpt turns that
 advice off in its coordinator steps (``cloudckpt.huge_pages.without_huge_page_advice``);
 ``--no-huge-page-switch`` leaves it as the process has it there (as
-``NUMPY_MADVISE_HUGEPAGE=1`` in the environment does). ``--rss-limit-gib`` stops the run
-(exit status 3) once its resident set passes that size.
+``NUMPY_MADVISE_HUGEPAGE=1`` in the environment does). ``--progress`` says when each
+part of the torch_dist ``plan`` step is done; ``--rss-limit-gib`` stops the run (exit
+status 3) once its resident set passes that size.
 """
 
 from __future__ import annotations
@@ -309,6 +310,25 @@ def _timed(row: Row, step: str, fn: Callable[[], _T], part: str | None = None) -
         for name in {part, part.split(".")[0]}:
             row.parts[name] = row.parts.get(name, 0.0) + spent
     return out
+
+
+PROGRESS = False
+"""``--progress``: :func:`_done` reports each finished part (where a long run is)."""
+
+
+def _done(row: Row, part: str) -> None:
+    """With :data:`PROGRESS`, say on stderr that ``part`` is done: its seconds so far,
+    the resident set and the peak."""
+    if PROGRESS:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        print(
+            f"    {row.ranks} x {row.tensors} {row.global_step or row.backend}: {part} done,"
+            f" {row.parts.get(part, 0.0):.2f} s; RSS {rss / 2**30:.2f} GiB,"
+            f" peak {peak_rss() / 2**30:.2f} GiB",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _kernel_seconds() -> float:
@@ -580,6 +600,7 @@ def _torch_dist_steps(
     with _paused(pause_gc):  # plan_save's gather, global step and scatter
         sent = (sent_plan(r) for r in range(world.size))
         gathered = _exchange(row, "plan", "dcp_plan", sent, "plan.gather")
+        _done(row, "plan.gather")
         fast = _timed(
             row,
             "plan",
@@ -588,12 +609,14 @@ def _torch_dist_steps(
         )
         if fast is None:
             raise SystemExit("torch_dist: the coordinator's step on columns did not apply")
+        _done(row, "plan.global")
         metadata, keys, scattered, chunks = fast
         gathered.clear()
         updates = _scatter(row, "plan", "dcp_plans", scattered, "plan.scatter")
         # every rank expands its own update at once: the coordinator's is timed
         expand = functools.partial(apply_global_plan_update, local, updates[0])
         _timed(row, "plan", expand, "plan.scatter")
+        _done(row, "plan.scatter")
     paths: list[list[str]] = []
 
     def sent_results(rank: int) -> Any:  # what PlannedSave.write returns
@@ -611,12 +634,14 @@ def _torch_dist_steps(
             (sent_results(r) for r in range(world.size)),
             "finish.gather",
         )
+        _done(row, "finish.gather")
         _timed(
             row,
             "plan",
             lambda: writer.finish_columns(metadata, keys, results, chunks),
             "finish.metadata",
         )
+        _done(row, "finish.metadata")
         results.clear()
     row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
     storage.delete(METADATA_FNAME)
@@ -685,9 +710,12 @@ def _dcp_own_steps(
     with _paused(pause_gc):  # plan_save's gather, global step and scatter
         sent = (sent_plan(r) for r in range(world.size))
         gathered = _exchange(row, "plan", "dcp_plan", sent, "plan.gather")
+        _done(row, "plan.gather")
         central = _timed(row, "plan", lambda: global_step(gathered), "plan.global")
+        _done(row, "plan.global")
         gathered.clear()
         _scatter_whole(row, "plan", "dcp_plans", central, "plan.scatter")
+        _done(row, "plan.scatter")
     metadata = found[0]
     paths: list[list[str]] = []
 
@@ -704,7 +732,9 @@ def _dcp_own_steps(
             (sent_results(r) for r in range(world.size)),
             "finish.gather",
         )
+        _done(row, "finish.gather")
         _timed(row, "plan", lambda: writer.finish(metadata, results), "finish.metadata")
+        _done(row, "finish.metadata")
         results.clear()
     central.clear()
     row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
@@ -901,6 +931,11 @@ def main() -> None:
         " it off (cloudckpt.huge_pages.without_huge_page_advice made a no-op)",
     )
     parser.add_argument(
+        "--progress",
+        action="store_true",
+        help="say on stderr when each part of the torch_dist plan step is done (RSS too)",
+    )
+    parser.add_argument(
         "--rss-limit-gib",
         type=float,
         help="stop (exit status 3) when this process's resident set passes this many GiB",
@@ -917,6 +952,8 @@ def main() -> None:
         watch_rss(int(args.rss_limit_gib * 2**30))
     if args.no_huge_page_switch:
         keep_huge_page_advice()
+    global PROGRESS  # noqa: PLW0603 - the command line's choice, for the whole run
+    PROGRESS = args.progress
     print(f"pinned to core {core} (os.sched_setaffinity); seconds on one core, provisional")
     print(memory_settings())
     switch = "off (--no-huge-page-switch)" if args.no_huge_page_switch else "on"
