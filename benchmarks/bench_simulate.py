@@ -47,11 +47,14 @@ own coordinator step on the same layouts instead: every rank's local plan of DCP
 planner's ``create_global_plan``, the writer's ``prepare_global_plan``, the whole global
 plans scattered, every rank's item results as objects gathered and the writer's
 ``finish`` (``.metadata`` into ``memory://``): what a save takes with a planner on which
-the fast path is off. A second table splits the torch_dist ``plan`` step into the plan
-collective (``plan``: the local plans' gather, the global step, the scatter) and the
-finish (``finish``: the item results' gather, ``.metadata``), with the bytes a rank sends
-and receives in them and the process's peak RSS when the row was done (the largest so
-far in the run: one row per run for a row's own).
+the fast path is off. ``--global-step linear`` takes the same object path with
+cloudckpt's planner (its linear step on the plans as objects, each rank's
+``GlobalPlanUpdate`` scattered, no columns); ``all``: a row of each of the three. A
+second table splits the torch_dist ``plan`` step into the plan collective (``plan``: the
+local plans' gather, the global step, the scatter) and the finish (``finish``: the item
+results' gather, ``.metadata``), with the bytes a rank sends and receives in them and the
+process's peak RSS when the row was done (the largest so far in the run: one row per run
+for a row's own).
 
 Reported per row: CPU seconds of each step (``time.process_time`` of this process, pinned
 to one core, so other load on the machine stretches wall time, not these figures),
@@ -112,7 +115,11 @@ from cloudckpt.commit import COORDINATOR, build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
 from cloudckpt.formats.dcp.columns import ItemResultColumns, PlanColumns
-from cloudckpt.formats.dcp.plan import apply_global_plan_update, global_plan_updates
+from cloudckpt.formats.dcp.plan import (
+    GlobalPlanUpdate,
+    apply_global_plan_update,
+    global_plan_updates,
+)
 from cloudckpt.formats.dcp.ranges import RecordedStorageInfo
 from cloudckpt.formats.dcp.save import DcpFormat
 from cloudckpt.formats.dcp.steps import (
@@ -152,7 +159,7 @@ WEIGHTS = (  # (name, local shape for hidden size h and TP, axis split over TP o
 )
 MOMENTS = ("exp_avg", "exp_avg_sq")
 URI = "s3://simulated/ckpt"
-GLOBAL_STEPS = ("columns", "dcp")
+GLOBAL_STEPS = ("columns", "dcp", "linear")
 _pickled = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)  # as dist_objects
 
 
@@ -376,8 +383,9 @@ def simulate(
     """Run the world-size-dependent steps of one save by ``backend`` for ``world``;
     ``pause_gc``: with the garbage collector paused where cloudckpt pauses it
     (:func:`cloudckpt.dist.paused_gc`: the gathers and the checks of what they gather);
-    ``global_step`` (torch_dist): ``columns`` (cloudckpt's fast path) or ``dcp`` (DCP's
-    own step on the plans as objects, :func:`_dcp_own_steps`)."""
+    ``global_step`` (torch_dist): ``columns`` (cloudckpt's fast path), ``dcp`` (DCP's
+    own step on the plans as objects, :func:`_dcp_own_steps`) or ``linear``
+    (cloudckpt's linear step on the plans as objects, :func:`_linear_object_steps`)."""
     if global_step not in GLOBAL_STEPS:
         raise ValueError(f"global_step {global_step!r}: one of {GLOBAL_STEPS}")
     step = global_step if backend == "torch_dist" else ""
@@ -394,6 +402,8 @@ def simulate(
         records = _zarr_steps(row, world, shards_of, pause_gc)
     elif global_step == "dcp":
         records = _dcp_own_steps(row, world, shards_of, pause_gc)
+    elif global_step == "linear":
+        records = _linear_object_steps(row, world, shards_of, pause_gc)
     else:
         records = _torch_dist_steps(row, world, shards_of, pause_gc)
     with _paused(pause_gc):  # commit
@@ -688,39 +698,71 @@ def _dcp_own_steps(
     ``memory://``). The coordinator keeps the global plans until the finish (as DCP's
     planner does, ``global_plan``); each rank's item results are made from its global
     plan (the one it unpickles from the scatter: equal)."""
+    return _object_steps(row, world, shards_of, pause_gc, StockPackedObjectsSavePlanner)
+
+
+def _linear_object_steps(
+    row: Row, world: World, shards_of: Callable[[int], list[ShardedBase]], pause_gc: bool
+) -> list[Any]:
+    """:func:`_dcp_own_steps` with cloudckpt's planner: its linear step on the plans as
+    objects (``create_global_plan_unhinted``), each rank's ``GlobalPlanUpdate``
+    scattered and expanded, the item results as objects and ``CloudStorageWriter.
+    finish``; no columns (a save sends them where it can: this isolates the linear
+    step from the columns)."""
+    return _object_steps(row, world, shards_of, pause_gc, _PackedObjectsSavePlanner)
+
+
+def _object_steps(
+    row: Row,
+    world: World,
+    shards_of: Callable[[int], list[ShardedBase]],
+    pause_gc: bool,
+    planner_class: type[DefaultSavePlanner],
+) -> list[Any]:
+    """The coordinator's steps on plans and item results as objects, with
+    ``planner_class`` (see :func:`_dcp_own_steps`, :func:`_linear_object_steps`)."""
     storage = open_checkpoint(f"memory://bench-simulate-{os.getpid()}-{time.time_ns()}")
-    stock = StockPackedObjectsSavePlanner
-    writer, coordinator, local = dcp_local_step(0, shards_of(0), storage, stock)
-    if plans_in_columns(coordinator, writer):
+    writer, coordinator, local = dcp_local_step(0, shards_of(0), storage, planner_class)
+    whole = planner_class is StockPackedObjectsSavePlanner  # DCP's: whole plans scattered
+    if whole and plans_in_columns(coordinator, writer):
         raise SystemExit("torch_dist: the stock planner would send its plan in columns")
 
     def sent_plan(rank: int) -> SavePlan:  # what plan_save's send_local_plan sends
-        return local if rank == 0 else dcp_local_step(rank, shards_of(rank), storage, stock)[2]
+        if rank == 0:
+            return local
+        return dcp_local_step(rank, shards_of(rank), storage, planner_class)[2]
 
-    def global_step(plans: list[SavePlan]) -> list[SavePlan]:  # plan_save's, on objects
-        planned, metadata = create_global_plan(coordinator, writer, plans)
+    def global_step(plans: list[SavePlan]) -> list[SavePlan | GlobalPlanUpdate]:
+        planned, metadata = create_global_plan(coordinator, writer, plans)  # plan_save's
         found.append(metadata)
-        central = writer.prepare_global_plan(planned)
+        central.extend(writer.prepare_global_plan(planned))
         updates = global_plan_updates(coordinator, planned, central)
-        if not all(isinstance(u, SavePlan) for u in updates):
-            raise SystemExit("torch_dist: DCP's step scattered updates, not whole plans")
-        return [u for u in updates if isinstance(u, SavePlan)]
+        if any(isinstance(u, SavePlan) != whole for u in updates):
+            kind = "whole plans" if whole else "updates"
+            raise SystemExit(f"torch_dist: the step on objects did not scatter {kind}")
+        return updates
 
     found: list[Any] = []
+    central: list[SavePlan] = []  # the coordinator's global plans (its planner keeps them)
     with _paused(pause_gc):  # plan_save's gather, global step and scatter
         sent = (sent_plan(r) for r in range(world.size))
         gathered = _exchange(row, "plan", "dcp_plan", sent, "plan.gather")
         _done(row, "plan.gather")
-        central = _timed(row, "plan", lambda: global_step(gathered), "plan.global")
+        updates = _timed(row, "plan", lambda: global_step(gathered), "plan.global")
         _done(row, "plan.global")
         gathered.clear()
-        _scatter_whole(row, "plan", "dcp_plans", central, "plan.scatter")
+        _scatter_whole(row, "plan", "dcp_plans", updates, "plan.scatter")
+        if not whole:  # the coordinator expands its own update (every rank at once)
+            expand = functools.partial(apply_global_plan_update, central[0], updates[0])
+            _timed(row, "plan", expand, "plan.scatter")
         _done(row, "plan.scatter")
     metadata = found[0]
     paths: list[list[str]] = []
 
     def sent_results(rank: int) -> list[DcpWriteResult]:  # what PlannedSave.write returns
-        results = dcp_item_results(central[rank])
+        # the rank's global plan: what it unpickles, or its local plan (the coordinator's
+        # equal copy) with its update applied
+        results = dcp_item_results(apply_global_plan_update(central[rank], updates[rank]))
         paths.append(sorted({i.storage_data.relative_path for i in results}))
         return results
 
@@ -737,6 +779,7 @@ def _dcp_own_steps(
         _done(row, "finish.metadata")
         results.clear()
     central.clear()
+    updates.clear()
     row.artifacts["dcp_metadata"] = pickle.loads(storage.read(METADATA_FNAME))  # as written
     storage.delete(METADATA_FNAME)
     return _records_of(world, shards_of, paths, writer)
@@ -806,7 +849,7 @@ def world_of(ranks: int, tp: int, pp: int) -> World:
 def print_table(rows: list[Row]) -> None:
     """Seconds per step, us per (rank x tensor), bytes per rank; ratios to the first row."""
     steps = ["gather", "validate", "plan", "merge"]
-    head = f"{'backend':14} {'ranks':>5} {'tensors':>7} {'TPxPPxDP':>10} "
+    head = f"{'backend':17} {'ranks':>5} {'tensors':>7} {'TPxPPxDP':>10} "
     head += " ".join(f"{s + ' s':>10}" for s in steps)
     head += f" {'total s':>8} {'us/r*t':>7} {'x 1st':>6}"
     head += f" {'sent B/rank: sharding':>21} {'plan':>10} {'commit':>10} {'recv kB/rank':>12}"
@@ -818,7 +861,7 @@ def print_table(rows: list[Row]) -> None:
         sent = row.bytes_per_rank
         plan_bytes = sent.get("flat", 0) + sent.get("dcp_plan", 0) + sent.get("dcp_results", 0)
         print(
-            f"{name:14} {row.ranks:>5} {row.tensors:>7} "
+            f"{name:17} {row.ranks:>5} {row.tensors:>7} "
             f"{f'{row.tp}x{row.pp}x{row.dp}':>10} "
             + " ".join(f"{row.seconds.get(s, 0.0):>10.3f}" for s in steps)
             + f" {row.total:>8.2f} {row.us_per_rank_tensor:>7.2f}"
@@ -833,8 +876,10 @@ def print_table(rows: list[Row]) -> None:
 
 
 def _row_name(row: Row) -> str:
-    """The backend, and for torch_dist the coordinator's step (``torch_dist/dcp``)."""
-    return f"{row.backend}/{row.global_step}" if row.global_step == "dcp" else row.backend
+    """The backend, and for torch_dist the coordinator's step other than the fast path
+    (``torch_dist/dcp``)."""
+    step = row.global_step
+    return f"{row.backend}/{step}" if step not in ("", "columns") else row.backend
 
 
 def print_global_steps(rows: list[Row]) -> None:
@@ -919,10 +964,11 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["zarr", "torch_dist"])
     parser.add_argument(
         "--global-step",
-        choices=[*GLOBAL_STEPS, "both"],
+        choices=[*GLOBAL_STEPS, "both", "all"],
         default="columns",
         help="torch_dist: the coordinator's step, cloudckpt's fast path on plans in columns"
-        " (columns), DCP's own on plans as objects (dcp), or a row of each (both)",
+        " (columns), DCP's own on plans as objects (dcp), cloudckpt's linear step on plans"
+        " as objects (linear), a row of columns and dcp (both) or of all three (all)",
     )
     parser.add_argument(
         "--no-huge-page-switch",
@@ -958,7 +1004,9 @@ def main() -> None:
     print(memory_settings())
     switch = "off (--no-huge-page-switch)" if args.no_huge_page_switch else "on"
     print(f"cloudckpt's huge page switch (without_huge_page_advice): {switch}")
-    steps = list(GLOBAL_STEPS) if args.global_step == "both" else [args.global_step]
+    steps = {"both": ["columns", "dcp"], "all": list(GLOBAL_STEPS)}.get(
+        args.global_step, [args.global_step]
+    )
     grid = [(r, max(args.tensors)) for r in args.ranks]
     grid += [(max(args.ranks), t) for t in args.tensors if t != max(args.tensors)]
     rows = []

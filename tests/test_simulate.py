@@ -166,6 +166,29 @@ def test_dcp_own_global_step_writes_the_fast_paths_metadata():
     assert own.bytes_received["dcp_plans"] > fast.bytes_received["dcp_plans"]
 
 
+def test_the_linear_step_on_objects_writes_the_fast_paths_metadata():
+    """cloudckpt's linear step on the plans as objects (``--global-step linear``: each
+    rank's update scattered, item results as objects, ``finish``) writes the fast path's
+    ``.metadata``, scattering updates (not whole plans)."""
+    world = sim.World(tp=2, pp=2, dp=4)
+    fast = sim.simulate("torch_dist", world, 20)
+    linear = sim.simulate("torch_dist", world, 20, global_step="linear")
+    own = sim.simulate("torch_dist", world, 20, global_step="dcp")
+    ours, theirs = fast.artifacts["dcp_metadata"], linear.artifacts["dcp_metadata"]
+    assert theirs.state_dict_metadata == ours.state_dict_metadata
+    for key, value in theirs.state_dict_metadata.items():
+        chunks = getattr(ours.state_dict_metadata[key], "chunks", None)
+        assert getattr(value, "chunks", None) == chunks, key
+    assert theirs.storage_data == ours.storage_data
+    assert theirs.mcore_data == ours.mcore_data  # type: ignore[attr-defined]
+    assert linear.artifacts["manifest"].tensors == fast.artifacts["manifest"].tensors
+    assert linear.bytes_received["dcp_plans"] < own.bytes_received["dcp_plans"]
+    assert linear.bytes_per_rank["dcp_plan"] > fast.bytes_per_rank["dcp_plan"]  # objects
+    assert linear.parts["plan"] + linear.parts["finish"] == pytest.approx(linear.seconds["plan"])
+    with pytest.raises(ValueError, match="global_step"):
+        sim.simulate("torch_dist", world, 20, global_step="other")
+
+
 def test_the_huge_page_switch_can_be_left_off(monkeypatch):
     """``keep_huge_page_advice`` makes cloudckpt's steps keep numpy's huge page advice
     (``without_huge_page_advice`` a no-op), as ``--no-huge-page-switch`` does."""
