@@ -121,7 +121,7 @@ from cloudckpt.formats.dcp.plan import (
     global_plan_updates,
 )
 from cloudckpt.formats.dcp.ranges import RecordedStorageInfo
-from cloudckpt.formats.dcp.save import DcpFormat
+from cloudckpt.formats.dcp.save import DcpFormat, _PackedObjectsSavePlanner
 from cloudckpt.formats.dcp.steps import (
     create_global_plan,
     global_step_columns,
@@ -129,7 +129,7 @@ from cloudckpt.formats.dcp.steps import (
 )
 from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.formats.zarr.layout import ZARRAY, shard_chunk_indices
-from cloudckpt.formats.zarr.save import ZarrFormat
+from cloudckpt.formats.zarr.save import ZarrFormat, _array_meta, _flat_table
 from cloudckpt.huge_pages import numpy_advises_huge_pages
 from cloudckpt.keys import KeyLayout
 from cloudckpt.manifest import CommitRecord, Manifest
@@ -138,16 +138,12 @@ from cloudckpt.planning import RankFlatPlan, chunk_plans, plan_flat_exchange
 from cloudckpt.shard_table import ShardTable
 from cloudckpt.storage import WriteResult, open_checkpoint
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_count
-from cloudckpt.strategies.torch import (
-    TorchDistSaveShardedStrategy,
-    _PackedObjectsSavePlanner,
-    to_dcp_state_dict,
-)
-from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy, _array_meta, _flat_table
+from cloudckpt.strategies.torch import TorchDistSaveShardedStrategy, to_dcp_state_dict
+from cloudckpt.strategies.zarr import ZarrSaveShardedStrategy
 from cloudckpt.table_validation import check_gathered_tables
 from cloudckpt.validation import chunk_index
 
-FORMATS = {"zarr": ZarrFormat(None), "torch_dist": DcpFormat(1)}
+FORMATS: dict[str, ZarrFormat | DcpFormat] = {"zarr": ZarrFormat(None), "torch_dist": DcpFormat(1)}
 """Each backend's format, for its traits."""
 
 _T = TypeVar("_T")

@@ -571,12 +571,6 @@ def _refuse_unstageable(fmt: SaveFormat, common: CommonSaver, shown: str) -> Non
         )
 
 
-def regular_grid_for(sharded_backend: str) -> str | None:
-    """``sharded_backend`` when it needs every tensor on a regular grid (zarr), else None.
-    For ``benchmarks/bench_simulate.py``, which checks tables by backend name."""
-    return sharded_backend if sharded_backend == "zarr" else None
-
-
 __all__ = [
     "CommitPhase",
     "CommitVerdict",

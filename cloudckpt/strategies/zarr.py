@@ -20,7 +20,7 @@ from cloudckpt.errors import (
     CheckpointNotFoundError,
 )
 from cloudckpt.formats.zarr.reader import TensorReader
-from cloudckpt.formats.zarr.save import ZarrFormat, _array_meta, _flat_table  # noqa: F401 - re-exported
+from cloudckpt.formats.zarr.save import ZarrFormat
 from cloudckpt.mapping import ShardedStateDict, ShardedTensor, StateDict
 from cloudckpt.storage import CheckpointStorage, FileSystem, open_checkpoint
 from cloudckpt.strategies.base import (
@@ -37,9 +37,6 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "zarr"
 VERSION = 1
-
-Write = tuple[str, Any]  # (relative path, buffer)
-ChunkId = tuple[str, tuple[int, ...]]  # (tensor key, chunk index)
 
 
 class ZarrSaveShardedStrategy(FormatSaveMixin, SaveShardedStrategy):
