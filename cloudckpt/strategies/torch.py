@@ -51,9 +51,8 @@ from cloudckpt.formats.dcp.reader import (
 from cloudckpt.formats.dcp.reader import (  # re-exported: the error a missing key raises
     TorchDistKeyNotFoundError as TorchDistKeyNotFoundError,  # noqa: PLC0414
 )
-from cloudckpt.formats.dcp.save import (  # re-exported: the engine's save helpers
+from cloudckpt.formats.dcp.save import (
     DcpFormat,
-    _PackedObjectsSavePlanner,  # noqa: F401 - bench_simulate
     dcp_save,
     to_dcp_state_dict,
 )
