@@ -324,8 +324,7 @@ def _write_commit(
         ) from exc
     claim_state = "ours" if claimed is None else _claim_state(storage, claimed)
     if claim_state != "ours":
-        if read_tombstone(storage) is None:  # still this save's manifest: take it back
-            storage.delete(MANIFEST_FNAME)
+        _take_back_manifest(storage)
         if claim_state == "gone":
             raise CheckpointRemovedError(
                 f"checkpoint {uri!r}: this save's {CLAIM_FNAME} was removed while it wrote "
@@ -336,7 +335,11 @@ def _write_commit(
             f"checkpoint {uri!r}: this save's {CLAIM_FNAME} was replaced while it wrote "
             f"(another job claimed the URI: {describe_claim(storage)}); not committing"
         )
-    save_config(backends, storage)
+    try:
+        save_config(backends, storage)
+    except CheckpointingException:  # not committed: no manifest without its metadata.json
+        _take_back_manifest(storage)
+        raise
     if not _holds_manifest(storage):  # a removal took the committed checkpoint meanwhile
         storage.delete(CONFIG_FNAME)
         raise CheckpointRemovedError(
@@ -350,6 +353,22 @@ def _write_commit(
         manifest.total_size / 1e6,
         manifest.world_size,
     )
+
+
+def _take_back_manifest(storage: CheckpointStorage) -> None:
+    """Delete ``manifest.json`` while it is still this save's (not a removal's tombstone):
+    the commit did not complete, and the checkpoint is left clearly uncommitted. A
+    failure to delete it is logged; the caller raises what stopped the commit."""
+    try:
+        if read_tombstone(storage) is None:
+            storage.delete(MANIFEST_FNAME)
+    except CheckpointingException as exc:
+        logger.warning(
+            "%s: its commit failed, and its %s could not be taken back: %s",
+            storage.uri,
+            MANIFEST_FNAME,
+            exc,
+        )
 
 
 def read_tombstone(storage: CheckpointStorage) -> Tombstone | None:

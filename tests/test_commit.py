@@ -19,6 +19,7 @@ from cloudckpt.errors import (
     CommitConflictError,
     CorruptObjectError,
     ObjectExistsError,
+    StorageError,
     UncommittedCheckpointError,
 )
 from cloudckpt.manifest import (
@@ -33,6 +34,7 @@ from cloudckpt.manifest import (
 )
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import CheckpointStorage, WriteResult
+from cloudckpt.tracker import collect_garbage, latest
 from tests.fixtures_object_stores import (
     GS_CASES,
     STORE_CASES,
@@ -478,3 +480,27 @@ def _bad_key_on_rank_1(rank: int, world: int, uri: str) -> str:
     except CheckpointingException as exc:
         return str(exc)
     return "no error"
+
+
+def test_a_failed_metadata_json_write_leaves_no_manifest(tmp_path, monkeypatch) -> None:
+    """The commit writes manifest.json, then metadata.json: when the second write fails
+    (a full disk), the manifest is taken back, so that the checkpoint is not committed
+    and the next save, latest and gc see it so."""
+    root = tmp_path / "run"
+    good, failed = str(root / "iter_0000001"), str(root / "iter_0000002")
+    cloudckpt.save(_state(), good, sharded_strategy=ZARR)
+
+    def no_space(_backends: Any, storage: CheckpointStorage) -> None:
+        raise StorageError(28, f"failed to write {storage.uri}/metadata.json: No space left")
+
+    monkeypatch.setattr(commit_mod, "save_config", no_space)
+    with pytest.raises(StorageError, match=r"metadata\.json"):
+        cloudckpt.save(_state(), failed, sharded_strategy=ZARR)
+    monkeypatch.undo()
+    left = set(CheckpointStorage(failed).list_sizes())
+    assert MANIFEST_FNAME not in left and "metadata.json" not in left, left
+    assert CLAIM_FNAME in left  # the claim stays, for gc to find the uncommitted save
+    assert latest(str(root)) == good
+    assert not cloudckpt.check_is_distributed_checkpoint(failed)
+    removed = [a.uri for a in collect_garbage(str(root), 1, grace_s=0).actions]
+    assert removed == [failed]
