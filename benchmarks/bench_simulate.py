@@ -76,8 +76,8 @@ arrays, whose cost depends on the host's transparent huge page settings and on n
 advising huge pages for arrays of 4 MiB and more (``NUMPY_MADVISE_HUGEPAGE``, read at
 import): the first line prints both. Where ``defrag`` is ``madvise``, an advised fault
 may wait for the kernel to compact memory (numpy/numpy#31590). cloudckpt turns that
-advice off in its coordinator steps (``cloudckpt.huge_pages.without_huge_page_advice``);
-``--no-huge-page-switch`` leaves it as the process has it there (as
+advice off for the coordinator's save (``cloudckpt.dist.coordinating``), and so does
+each simulated save here; ``--no-huge-page-switch`` leaves it as the process has it (as
 ``NUMPY_MADVISE_HUGEPAGE=1`` in the environment does). ``--progress`` says when each
 part of the torch_dist ``plan`` step is done; ``--rss-limit-gib`` stops the run (exit
 status 3) once its resident set passes that size.
@@ -110,7 +110,6 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
-from cloudckpt import huge_pages
 from cloudckpt.commit import COORDINATOR, build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.dist import paused_gc
@@ -130,7 +129,7 @@ from cloudckpt.formats.dcp.steps import (
 from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter
 from cloudckpt.formats.zarr.layout import ZARRAY, shard_chunk_indices
 from cloudckpt.formats.zarr.save import ZarrFormat, _array_meta, _flat_table
-from cloudckpt.huge_pages import numpy_advises_huge_pages
+from cloudckpt.huge_pages import numpy_advises_huge_pages, without_huge_page_advice
 from cloudckpt.keys import KeyLayout
 from cloudckpt.manifest import CommitRecord, Manifest
 from cloudckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
@@ -375,15 +374,26 @@ def simulate(
     validate: bool = True,
     pause_gc: bool = True,
     global_step: str = "columns",
+    huge_page_switch: bool = True,
 ) -> Row:
     """Run the world-size-dependent steps of one save by ``backend`` for ``world``;
     ``pause_gc``: with the garbage collector paused where cloudckpt pauses it
     (:func:`cloudckpt.dist.paused_gc`: the gathers and the checks of what they gather);
     ``global_step`` (torch_dist): ``columns`` (cloudckpt's fast path), ``dcp`` (DCP's
     own step on the plans as objects, :func:`_dcp_own_steps`) or ``linear``
-    (cloudckpt's linear step on the plans as objects, :func:`_linear_object_steps`)."""
+    (cloudckpt's linear step on the plans as objects, :func:`_linear_object_steps`);
+    ``huge_page_switch``: numpy's huge page advice off throughout, as
+    :func:`cloudckpt.dist.coordinating` has it for the coordinator's save."""
     if global_step not in GLOBAL_STEPS:
         raise ValueError(f"global_step {global_step!r}: one of {GLOBAL_STEPS}")
+    switch = without_huge_page_advice() if huge_page_switch else contextlib.nullcontext()
+    with switch:
+        return _simulate(backend, world, tensors, validate, pause_gc, global_step)
+
+
+def _simulate(
+    backend: str, world: World, tensors: int, validate: bool, pause_gc: bool, global_step: str
+) -> Row:
     step = global_step if backend == "torch_dist" else ""
     row = Row(backend, world.size, tensors, world.tp, world.pp, world.dp, step)
     shards_of = rank_shards(world, tensors)
@@ -917,14 +927,6 @@ def _json_row(row: Row) -> dict[str, Any]:
     }
 
 
-def keep_huge_page_advice() -> None:
-    """Make :func:`cloudckpt.huge_pages.without_huge_page_advice` a no-op for this
-    process: the steps it decorates then make their arrays with numpy's huge page advice
-    as the process has it (on by default), as where ``NUMPY_MADVISE_HUGEPAGE=1`` is set.
-    It asks ``_advice_setter`` on every entry: patched here, it finds no switch."""
-    huge_pages._advice_setter = lambda: None
-
-
 def watch_rss(limit: int) -> None:
     """Stop the process (exit status 3, a message on stderr) once its resident set
     passes ``limit`` bytes (checked every 0.2 s by a daemon thread)."""
@@ -969,8 +971,8 @@ def main() -> None:
     parser.add_argument(
         "--no-huge-page-switch",
         action="store_true",
-        help="leave numpy's huge page advice as the process has it in the steps that turn"
-        " it off (cloudckpt.huge_pages.without_huge_page_advice made a no-op)",
+        help="leave numpy's huge page advice as the process has it (cloudckpt's save turns"
+        " it off on the coordinator: cloudckpt.dist.coordinating)",
     )
     parser.add_argument(
         "--progress",
@@ -992,14 +994,12 @@ def main() -> None:
     core = pin_one_core()
     if args.rss_limit_gib:
         watch_rss(int(args.rss_limit_gib * 2**30))
-    if args.no_huge_page_switch:
-        keep_huge_page_advice()
     global PROGRESS  # noqa: PLW0603 - the command line's choice, for the whole run
     PROGRESS = args.progress
     print(f"pinned to core {core} (os.sched_setaffinity); seconds on one core, provisional")
     print(memory_settings())
     switch = "off (--no-huge-page-switch)" if args.no_huge_page_switch else "on"
-    print(f"cloudckpt's huge page switch (without_huge_page_advice): {switch}")
+    print(f"cloudckpt's huge page switch (dist.coordinating): {switch}")
     steps = {"both": ["columns", "dcp"], "all": list(GLOBAL_STEPS)}.get(
         args.global_step, [args.global_step]
     )
@@ -1010,7 +1010,14 @@ def main() -> None:
     for backend, step in runs:
         for ranks, tensors in grid:
             world = world_of(ranks, args.tp, args.pp)
-            row = simulate(backend, world, tensors, pause_gc=not args.gc_on, global_step=step)
+            row = simulate(
+                backend,
+                world,
+                tensors,
+                pause_gc=not args.gc_on,
+                global_step=step,
+                huge_page_switch=not args.no_huge_page_switch,
+            )
             rows.append(row)
             kernel = sum(row.kernel_seconds.values())
             print(

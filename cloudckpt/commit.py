@@ -49,7 +49,6 @@ from cloudckpt.errors import (
     CommitConflictError,
     ObjectExistsError,
 )
-from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.integrity_record import integrity_sources, sha256_digests, write_integrity_record
 from cloudckpt.manifest import (
     CLAIM_FNAME,
@@ -268,7 +267,6 @@ def tensor_piece(digests: Sequence[bytes], rank: int) -> tuple[int, int]:
     return list(digests[:rank]).count(mine), list(digests).count(mine)
 
 
-@without_huge_page_advice()
 def build_manifest(gathered: Sequence[CommitRecord], backends: CheckpointingConfig) -> Manifest:
     """The coordinator's merge of every rank's commit record (indexed by rank) into the
     manifest (pure).

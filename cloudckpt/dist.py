@@ -18,7 +18,7 @@ import gc
 import logging
 import pickle
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -33,6 +33,7 @@ from cloudckpt.errors import (
     DistributedCheckpointError,
     distributed_variant,
 )
+from cloudckpt.huge_pages import without_huge_page_advice
 
 __all__ = [
     "agree",
@@ -43,6 +44,7 @@ __all__ = [
     "await_collective",
     "broadcast_object",
     "check_in",
+    "coordinating",
     "exchange_tensors",
     "gather_object",
     "get_rank",
@@ -114,6 +116,19 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def coordinating() -> AbstractContextManager[None]:
+    """The scope of a save's or load's work: on the coordinator (rank 0), numpy gives
+    new arrays no transparent huge page advice in it (see
+    :func:`~cloudckpt.huge_pages.without_huge_page_advice`); elsewhere nothing changes.
+
+    The coordinator's steps over every rank's metadata (the checks, the format's global
+    plan and finish, the manifest) make many short-lived arrays of tens of MB, whose
+    advised page faults may wait for the kernel to compact memory. Entered where the
+    work begins: ``cloudckpt.save`` and ``cloudckpt.load`` run whole in it, and an async
+    save's commit (its finalize function, run later by the queue)."""
+    return without_huge_page_advice() if get_rank() == 0 else nullcontext()
 
 
 def of_group(per_rank: list[_T], group: Any = None) -> list[_T]:

@@ -1,6 +1,7 @@
 """The coordinator's large temporary arrays without numpy's transparent huge page
-advice (:func:`without_huge_page_advice`). numpy is imported only when a decorated step
-runs: the commands that handle no arrays import no numpy."""
+advice (:func:`without_huge_page_advice`, entered by :func:`cloudckpt.dist.coordinating`
+where a save or load begins). numpy is imported only when the switch is used: the
+commands that handle no arrays import no numpy."""
 
 from __future__ import annotations
 
@@ -47,9 +48,10 @@ def without_huge_page_advice() -> Iterator[None]:
     memory (numpy/numpy#31590). The coordinator's steps at scale make many short-lived
     arrays of tens of MB: at 4,096 simulated ranks x 2,000 tensors, running them without
     it took 7.59 s to 5.56-6.02 (5.57 with the advice off for the whole process;
-    ``benchmarks/bench_simulate.py``). So they run without it: the pages the kernel
-    gives without advice. Left as it is where the process sets
-    ``NUMPY_MADVISE_HUGEPAGE`` (its own choice) or numpy has no such switch. The switch
+    ``benchmarks/bench_simulate.py``). So the coordinator's save or load runs without
+    it (:func:`cloudckpt.dist.coordinating`): the pages the kernel gives without advice.
+    Left as it is where the process sets ``NUMPY_MADVISE_HUGEPAGE`` (its own choice) or
+    numpy has no such switch. The switch
     is numpy's, for the whole process: arrays other threads make meanwhile (the training
     loop's, during an async save's finish) get no advice either, only the kernel's
     default pages. Nested and concurrent uses share it: the first in turns the advice

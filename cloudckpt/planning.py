@@ -24,7 +24,6 @@ import numpy as np
 
 from cloudckpt.array_utils import stable_order
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.mapping import ShardedTensor, is_main_replica
 from cloudckpt.validation import chunk_index
 
@@ -149,7 +148,6 @@ def _empty_plan() -> RankFlatPlan:
     return RankFlatPlan(np.empty((0, 3), np.int64), np.empty((0, 5), np.int64))
 
 
-@without_huge_page_advice()
 def plan_flat_exchange(tables: Sequence[np.ndarray]) -> list[RankFlatPlan]:
     """The coordinator's planning: every rank's part, from every rank's table.
 

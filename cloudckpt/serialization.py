@@ -131,7 +131,7 @@ def save(
     """
     check_async_strategy(async_strategy)
     default_sharded = (config.backend, 1) if config is not None else DEFAULT_SHARDED_BACKEND
-    with dist.bounded(config), dist.paused_gc():
+    with dist.bounded(config), dist.paused_gc(), dist.coordinating():
         session = SaveSession.open_unagreed(  # its agreement travels with the save's first
             checkpoint_uri(checkpoint_dir),
             _save_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, default_sharded),
@@ -289,7 +289,12 @@ def load(
         CollectiveError: a rank died, froze or stayed away from a collective.
     """
     uri = checkpoint_uri(checkpoint_dir)
-    with weights_only_scope(weights_only), dist.bounded(config), dist.paused_gc():
+    with (
+        weights_only_scope(weights_only),
+        dist.bounded(config),
+        dist.paused_gc(),
+        dist.coordinating(),
+    ):
         if verify_integrity:
             check_integrity(uri, storage_options, config)
         state, missing, unexpected = load_checkpoint(

@@ -519,8 +519,10 @@ class PendingSave:
         return manifest
 
     def finalize(self) -> None:
-        """An async save's finalization: :meth:`commit`."""
-        self.commit()
+        """An async save's finalization: :meth:`commit`, in the scope the save itself
+        ran in on the coordinator (:func:`~cloudckpt.dist.coordinating`)."""
+        with dist.coordinating():
+            self.commit()
 
     def _keep(self, written: Written) -> None:
         self.written = written

@@ -32,7 +32,6 @@ import numpy as np
 
 from cloudckpt.array_utils import sorted_unique, unique_rows
 from cloudckpt.errors import CheckpointingException
-from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.keys import (
     KeyLayout,
     KeySet,
@@ -65,7 +64,6 @@ logger = logging.getLogger(__name__)
 _CELL_LIMIT = 1 << 62  # chunk id x (range bound + 1) must stay below this (int64)
 
 
-@without_huge_page_advice()
 def check_gathered_tables(
     tables: Sequence[ShardTable],
     layout: KeyLayout,
@@ -97,7 +95,6 @@ def check_gathered_tables(
     _check_unproven(gathered, uri, regular_grid_for)
 
 
-@without_huge_page_advice()
 def check_gathered_sharding(
     tables: Sequence[ShardTable], uri: str, regular_grid_for: str | None = None
 ) -> None:

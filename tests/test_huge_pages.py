@@ -1,5 +1,6 @@
 """huge_pages.without_huge_page_advice: numpy's huge page advice off while the
-coordinator's steps run, one shared switch, a process's own choice kept."""
+coordinator's save or load runs (dist.coordinating), one shared switch, a process's own
+choice kept."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
-from cloudckpt import huge_pages, table_validation
+import cloudckpt
+from cloudckpt import dist, huge_pages, session
 from cloudckpt.huge_pages import without_huge_page_advice
-from cloudckpt.keys import KeyLayout
+from cloudckpt.mapping import ShardedTensor, ShardedTensorFactory
+from cloudckpt.strategies.async_utils import AsyncCallsQueue
 
 
 def _advised() -> bool:
@@ -72,16 +76,53 @@ def test_a_process_that_chose_its_advice_keeps_it(
         assert _advised()
 
 
-def test_the_coordinators_checks_run_without_the_advice(
-    advice_on: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen: list[bool] = []
+def _factory_state(seen: list[bool], data: torch.Tensor) -> dict[str, Any]:
+    """A state dict whose factory notes the advice when the save or load applies it."""
 
-    def spy(tables: Any) -> None:
+    def build(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any) -> Any:
         seen.append(_advised())
+        return ShardedTensor.from_rank_offsets(key, t, replica_id=replica_id)
 
-    monkeypatch.setattr(table_validation.Gathered, "of", staticmethod(spy))
-    monkeypatch.setattr(table_validation, "check_shards", lambda *a, **k: None)
-    monkeypatch.setattr(table_validation, "rebuild_shards", lambda t: t)
-    table_validation.check_gathered_tables([], KeyLayout(False, False), "memory://x", 0)
+    return {"w": ShardedTensorFactory("w", data, build, lambda sub: sub, 0, None)}
+
+
+def test_a_save_and_a_load_run_without_the_advice_on_the_coordinator(
+    advice_on: None, tmp_path: Any
+) -> None:
+    uri = str(tmp_path / "ckpt")
+    saved: list[bool] = []
+    cloudckpt.save(_factory_state(saved, torch.arange(8.0)), uri)
+    assert saved == [False] and _advised()
+    loaded: list[bool] = []
+    state = cloudckpt.load(_factory_state(loaded, torch.zeros(8)), uri)
+    assert loaded == [False] and _advised()
+    assert torch.equal(state["w"], torch.arange(8.0))
+
+
+def test_an_async_saves_commit_runs_without_the_advice(
+    advice_on: None, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit runs later, in the queue's finalization, outside the save's call."""
+    seen: list[bool] = []
+    commit = session.commit_gathered
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        seen.append(_advised())
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(session, "commit_gathered", noting)
+    uri = str(tmp_path / "ckpt")
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}
+    request = cloudckpt.save(state, uri, async_sharded_save=True)
+    assert _advised() and not seen  # the save returned; nothing committed yet
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
     assert seen == [False] and _advised()
+    assert cloudckpt.verify(uri).ok
+
+
+def test_other_ranks_keep_the_advice(advice_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    with dist.coordinating():
+        assert _advised()

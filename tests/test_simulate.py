@@ -190,17 +190,25 @@ def test_the_linear_step_on_objects_writes_the_fast_paths_metadata():
 
 
 def test_the_huge_page_switch_can_be_left_off(monkeypatch):
-    """``keep_huge_page_advice`` makes cloudckpt's steps keep numpy's huge page advice
-    (``without_huge_page_advice`` a no-op), as ``--no-huge-page-switch`` does."""
+    """A simulated save turns numpy's huge page advice off throughout, as the
+    coordinator's save does; ``huge_page_switch=False`` (``--no-huge-page-switch``)
+    leaves it as the process has it. Seen from the merge step, which runs last."""
     monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
-    monkeypatch.setattr(huge_pages, "_advice_setter", huge_pages._advice_setter)
-    before = huge_pages.numpy_advises_huge_pages()
-    if before is None or huge_pages._advice_setter() is None:
+    if huge_pages.numpy_advises_huge_pages() is None or huge_pages._advice_setter() is None:
         pytest.skip("numpy has no huge page switch here")
-    with huge_pages.without_huge_page_advice():
-        switched = huge_pages.numpy_advises_huge_pages()
-    sim.keep_huge_page_advice()
-    with huge_pages.without_huge_page_advice():
-        kept = huge_pages.numpy_advises_huge_pages()
-    assert (switched, kept) == (False, before)
-    assert huge_pages.numpy_advises_huge_pages() == before
+    before = huge_pages._multiarray()._set_madvise_hugepage(True)
+    try:
+        seen: list[bool | None] = []
+        merge = sim.merge
+
+        def noting(*args, **kwargs):
+            seen.append(huge_pages.numpy_advises_huge_pages())
+            return merge(*args, **kwargs)
+
+        monkeypatch.setattr(sim, "merge", noting)
+        sim.simulate("zarr", WORLD, TENSORS)
+        sim.simulate("zarr", WORLD, TENSORS, huge_page_switch=False)
+        assert seen == [False, True]
+        assert huge_pages.numpy_advises_huge_pages()
+    finally:
+        huge_pages._multiarray()._set_madvise_hugepage(before)

@@ -63,7 +63,6 @@ from cloudckpt.formats.dcp.plan import (
     global_plan_updates,
 )
 from cloudckpt.formats.dcp.storage import CloudStorageWriter
-from cloudckpt.huge_pages import without_huge_page_advice
 
 _T = TypeVar("_T")
 logger = logging.getLogger(__name__)
@@ -386,7 +385,6 @@ def plans_in_columns(planner: SavePlanner, writer: StorageWriter) -> bool:
     )
 
 
-@without_huge_page_advice()
 def global_step_columns(
     planner: SavePlanner, writer: StorageWriter, sent: list[SavePlan | PlanColumns]
 ) -> tuple[Metadata, list[PlanKeys], list[GlobalPlanUpdate], ChunkColumns] | None:

@@ -99,7 +99,6 @@ from cloudckpt.formats.dcp.stored_items import (  # re-exported: dcp.reader
     load_tensor_item as load_tensor_item,  # noqa: PLC0414
 )
 from cloudckpt.formats.dcp.unpickler import load_dcp_metadata
-from cloudckpt.huge_pages import without_huge_page_advice
 from cloudckpt.storage import CheckpointStorage, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
 from cloudckpt.storage.buffers import Progress
@@ -357,7 +356,6 @@ class CloudStorageWriter(StorageWriter):
         if self.write_metadata:
             self.results.append(self.storage.write(METADATA_FNAME, dumps_metadata(metadata)))
 
-    @without_huge_page_advice()
     def finish_columns(
         self,
         metadata: Metadata,
