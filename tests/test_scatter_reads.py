@@ -1,22 +1,37 @@
-"""Scatter reads: on object stores the buffers of one object are filled
-by GETs of merged runs of their blocks, streamed straight into them (no copy of the
-run), every block checked across the buffers and scratch it spans.
+"""Scatter reads (cloudckpt/storage/scatter.py): the buffers of one object are filled
+by reads of merged runs of their blocks, straight into them (no copy of the run), every
+block checked across the buffers and scratch it spans; on object stores one GET per run
+streamed into them (StorageReads.read_into_many), on local files one request per run read
+piece by piece (CheckpointStorage.read_into_many). Also the request threads kept across
+calls (cloudckpt/storage/pool.py).
 
 * The plan: each run's segments take exactly its bytes, in order, the caller's views
   where a buffer wants them and scratch elsewhere; bytes two buffers want are received
   once and copied; runs are cut at the part size on block boundaries.
+* Local files: ranges of one object that share blocks are read in one run (one
+  request), each byte once, into their buffers; what lies between them is checked too:
+  a byte flipped there, or inside a range, fails the read naming the block. Each block
+  is checked as soon as its bytes are read (pieces end where blocks end). Runs are at
+  most a part long; objects the manifest does not list are read as is; overlapping
+  ranges are read once and copied; ``verify_checksums`` takes the general path; a
+  missing object is reported as damage when the manifest lists it.
 * torch_dist objects put items under one block first: loading only the small tensors
   of an object costs one GET.
 * On moto and SeaweedFS: many buffers of one object (partial blocks at both ends, a
   buffer across a run cut, overlapping buffers, an empty one) read right with one GET
   per run; a byte flipped in the store fails the read, naming the block.
+* A call reuses the threads of the previous one; a call made from inside another
+  call's task gets threads of its own (no deadlock).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,14 +41,15 @@ import cloudckpt
 from cloudckpt import ShardedTensor
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import CorruptObjectError
-from cloudckpt.storage import CheckpointStorage, ReadRequest
+from cloudckpt.storage import CheckpointStorage, ReadRequest, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE, BlockCrcs, block_mismatches, checksum_blocks
-from cloudckpt.storage.pool import process_stats
-from cloudckpt.storage.scatter import gather, plan_scatter
+from cloudckpt.storage.pool import RequestPool, process_stats
+from cloudckpt.storage.scatter import RunCheck, ScatterRun, gather, plan_reads, plan_scatter
 from tests.fixtures_object_stores import S3_CASES, bucket_location
 
 MiB = 2**20
 PART = 5 * MiB
+SIZE = 5 * MiB + 4321
 
 
 def _assembled(run: Any) -> bytes:
@@ -178,3 +194,186 @@ def test_small_items_share_blocks_and_load_in_one_get(s3_uri: tuple[str, dict]) 
 
 def whole_bytes(state: dict[str, Any]) -> int:
     return sum(sh.data.numel() * sh.data.element_size() for sh in state.values())
+
+
+# -- local files ------------------------------------------------------------
+
+
+def _written(tmp_path: Path, **config: int) -> tuple[CheckpointStorage, bytes, WriteResult]:
+    """A local storage with one ``SIZE``-byte object, checked against its write."""
+    uri = str(tmp_path / "ckpt")
+    data = random.Random(7).randbytes(SIZE)
+    result = CheckpointStorage(uri).write("obj", data)
+    assert result.blocks is not None
+    storage = CheckpointStorage(uri, config=CheckpointConfig(**config), expected={"obj": result})
+    return storage, data, result
+
+
+def _ranges() -> list[tuple[int, int]]:
+    """Ranges that straddle block boundaries, with gaps of headers' size between
+    them, one inside a block, and one up to the end of the object."""
+    return [(100, MiB + 50), (MiB + 2000, 2 * MiB - 10), (2 * MiB + 5, 2 * MiB + 700),
+            (3 * MiB + 1, 4 * MiB + 99), (SIZE - 3000, SIZE)]  # fmt: skip
+
+
+def _read(storage: CheckpointStorage, ranges: list[tuple[int, int]]) -> list[bytearray]:
+    buffers = [bytearray(b - a) for a, b in ranges]
+    storage.read_into_many(
+        [(ReadRequest("obj", a), buf) for (a, _), buf in zip(ranges, buffers, strict=True)]
+    )
+    return buffers
+
+
+def test_ranges_sharing_blocks_are_read_in_one_checked_run(tmp_path: Path) -> None:
+    storage, data, _ = _written(tmp_path)
+    before = storage.transport.counters.snapshot()
+    buffers = _read(storage, _ranges())
+    assert [bytes(b) for b in buffers] == [data[a:b] for a, b in _ranges()]
+    stats = storage.transport.counters.snapshot() - before
+    assert stats.reads == 1  # every block from 0 to the end is touched: one run
+    assert stats.bytes_read == SIZE  # each byte once, gaps included
+
+
+def test_runs_are_at_most_a_part(tmp_path: Path) -> None:
+    storage, data, _ = _written(tmp_path, part_size=5 * MiB)
+    before = storage.transport.counters.snapshot()
+    assert bytes(_read(storage, [(0, SIZE)])[0]) == data
+    stats = storage.transport.counters.snapshot() - before
+    assert (stats.reads, stats.bytes_read) == (2, SIZE)
+
+
+def _flip(tmp_path: Path, offset: int) -> None:
+    path = tmp_path / "ckpt" / "obj"
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("offset", "block"),
+    [(MiB + 1000, 1), (3 * MiB + 10, 3), (2 * MiB + 2, 2)],
+    ids=["between-ranges", "inside-a-range", "before-a-range-in-its-block"],
+)
+def test_a_flipped_byte_anywhere_in_a_read_block_fails_the_read(
+    tmp_path: Path, offset: int, block: int
+) -> None:
+    storage, _, _ = _written(tmp_path)
+    _flip(tmp_path, offset)
+    with pytest.raises(CorruptObjectError, match=f"block {block} of 6"):
+        _read(storage, _ranges())
+
+
+def test_a_block_no_range_touches_is_not_read(tmp_path: Path) -> None:
+    storage, data, _ = _written(tmp_path)
+    _flip(tmp_path, 4 * MiB + 500)  # block 4: untouched by these ranges
+    ranges = [(10, 20), (5 * MiB + 1, 5 * MiB + 9)]
+    before = storage.transport.counters.snapshot()
+    assert [bytes(b) for b in _read(storage, ranges)] == [data[a:b] for a, b in ranges]
+    stats = storage.transport.counters.snapshot() - before
+    assert (stats.reads, stats.bytes_read) == (2, BLOCK_SIZE + SIZE - 5 * MiB)
+
+
+def test_unlisted_objects_overlaps_and_verify_checksums_read_correctly(tmp_path: Path) -> None:
+    storage, data, result = _written(tmp_path)
+    unlisted = CheckpointStorage(str(tmp_path / "ckpt"))
+    assert [bytes(b) for b in _read(unlisted, _ranges())] == [data[a:b] for a, b in _ranges()]
+    overlapping = [(0, 3 * MiB), (MiB, 2 * MiB)]
+    assert [bytes(b) for b in _read(storage, overlapping)] == [data[a:b] for a, b in overlapping]
+    verified = CheckpointStorage(
+        str(tmp_path / "ckpt"), expected={"obj": result}, verify_checksums=True
+    )
+    assert [bytes(b) for b in _read(verified, _ranges())] == [data[a:b] for a, b in _ranges()]
+
+
+def test_a_missing_listed_object_is_damage(tmp_path: Path) -> None:
+    storage, _, _ = _written(tmp_path)
+    (tmp_path / "ckpt" / "obj").unlink()
+    with pytest.raises(CorruptObjectError, match="listed in the manifest but does not exist"):
+        _read(storage, _ranges())
+
+
+def test_request_threads_are_kept_and_nested_calls_get_their_own() -> None:
+    pool = RequestPool(2)
+    with pool.executor(4) as first:
+        futures = [first.submit(threading.current_thread) for _ in range(4)]
+    assert all(f.done() for f in futures)  # leaving the lease waited for its tasks
+    with pool.executor(4) as second:
+        assert second is first  # the same threads again
+        with pool.executor(4) as nested:
+            assert nested is not first  # leased meanwhile: threads of its own
+
+    def inner(i: int) -> list[int]:
+        return pool.map(lambda j: i * 10 + j, [1, 2, 3])
+
+    assert pool.map(inner, [1, 2, 3]) == [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+
+
+def test_runs_cut_at_block_multiples_cover_every_byte_once(tmp_path: Path) -> None:
+    storage, data, _ = _written(tmp_path)
+    views = [(ReadRequest("obj", a), memoryview(bytearray(b - a))) for a, b in _ranges()]
+    runs = plan_reads(storage.expected, views, MiB + 5)  # whole blocks: 1 MiB runs
+    assert [(r.start, r.end) for r in runs] == [
+        (i * MiB, min((i + 1) * MiB, SIZE)) for i in range(6)
+    ]
+    for run in runs:
+        lengths = [view.nbytes for view in run.segments]
+        offsets = list(itertools.accumulate(lengths[:-1], initial=run.start))
+        assert offsets[0] == run.start and sum(lengths) == run.end - run.start
+        assert all(o + n == p for o, n, p in zip(offsets, lengths, offsets[1:], strict=False))
+        for offset, segment in zip(offsets, run.segments, strict=True):  # read in order
+            segment[:] = data[offset : offset + segment.nbytes]
+        assert not run.copies
+    assert [bytes(v) for _, v in views] == [data[a:b] for a, b in _ranges()]
+
+
+def test_overlapping_local_ranges_are_read_once_and_copied(tmp_path: Path) -> None:
+    """Ranges of one object that overlap are read in one run, the shared bytes into the
+    first buffer, copied to the others once their blocks are checked; a byte flipped
+    in the shared bytes fails the read."""
+    storage, data, _ = _written(tmp_path)
+    overlapping = [(100, 3 * MiB), (MiB, 2 * MiB + 50), (200, 300), (2 * MiB + 10, 2 * MiB + 20)]
+    before = storage.transport.counters.snapshot()
+    assert [bytes(b) for b in _read(storage, overlapping)] == [data[a:b] for a, b in overlapping]
+    stats = storage.transport.counters.snapshot() - before
+    assert (stats.reads, stats.bytes_read) == (1, 3 * MiB)
+    _flip(tmp_path, MiB + 20)  # in bytes the first two ranges share
+    with pytest.raises(CorruptObjectError, match=r"bytes 1048576-2097152 \(block 1 of 6"):
+        _read(storage, overlapping)
+
+
+def test_each_block_is_checked_as_soon_as_it_is_read(tmp_path: Path) -> None:
+    """A run is read in pieces that end where its blocks end, and each block's CRC-32C
+    is compared as soon as its last piece is filled, before the next piece is read
+    (while its bytes are in the CPU's cache); the read fails naming the block."""
+    storage, data, _ = _written(tmp_path, part_size=8 * MiB)
+
+    def one_run() -> ScatterRun:
+        views = [(ReadRequest("obj", a), memoryview(bytearray(b - a))) for a, b in _ranges()]
+        (run,) = plan_reads(storage.expected, views, 8 * MiB)
+        return run
+
+    pieces = RunCheck(one_run(), storage.expected).pieces()
+    assert sum(p.nbytes for p in pieces) == SIZE  # the run covers the whole object
+    at = 0
+    for piece in pieces:  # no piece crosses a block boundary
+        assert at // BLOCK_SIZE == (at + piece.nbytes - 1) // BLOCK_SIZE
+        at += piece.nbytes
+    damaged = bytearray(data)
+    damaged[BLOCK_SIZE + 77] ^= 0x01  # in block 1
+    path = tmp_path / "ckpt" / "obj"
+    path.write_bytes(bytes(damaged))
+    run = one_run()
+    check = RunCheck(run, storage.expected)
+    read_after_failure = []
+
+    def filled(piece: memoryview) -> None:
+        if check.failed:
+            read_after_failure.append(piece.nbytes)
+        check.add(piece)
+
+    storage.transport.read_segments(str(path), 0, check.pieces(), filled)
+    assert sum(read_after_failure) == SIZE - 2 * BLOCK_SIZE  # blocks 2 to 5
+    with pytest.raises(CorruptObjectError, match=r"block 1 of 6"):
+        check.finish()
+    with pytest.raises(CorruptObjectError, match=r"block 1 of 6"):
+        _read(storage, _ranges())

@@ -265,22 +265,58 @@ def block_mismatches(
     """``(block index, CRC-32C received)`` of every block of the concatenated
     ``segments`` (whole blocks from block boundary ``offset``; the last may be the
     object's short last block) that differs from the recorded one."""
-    size = blocks.block_size
-    index, crc, filled = offset // size, 0, 0
-    bad: list[tuple[int, int]] = []
-    for segment in map(as_bytes_view, segments):
-        pos = 0
-        while pos < segment.nbytes:
-            take = min(size - filled, segment.nbytes - pos)
-            crc = crc32c(segment[pos : pos + take], crc)
-            filled, pos = filled + take, pos + take
-            if filled == size:
-                if crc != blocks.crc(index):
-                    bad.append((index, crc))
-                index, crc, filled = index + 1, 0, 0
-    if filled and crc != blocks.crc(index):
-        bad.append((index, crc))
-    return bad
+    verifier = BlockVerifier(blocks, offset)
+    for segment in segments:
+        verifier.update(as_bytes_view(segment))
+    return verifier.finish()
+
+
+class BlockVerifier:
+    """The CRC-32C of every block of bytes fed in pieces of any size, in order, from
+    block boundary ``offset`` (up to ``end``, where a block closes even if short: the
+    object's last), compared with the recorded ``blocks`` as soon as the block's last
+    byte is fed; :attr:`bad` lists ``(block index, CRC-32C received)`` of those that
+    differ. Never raises for a mismatch."""
+
+    def __init__(self, blocks: BlockCrcs, offset: int, end: int | None = None) -> None:
+        self.blocks = blocks
+        self.end = end
+        self.bad: list[tuple[int, int]] = []
+        self._index = offset // blocks.block_size
+        self._crc = 0
+        self._fill = 0  # bytes of the block being fed so far
+        self._need = self._length()  # bytes it still lacks
+
+    def _length(self) -> int:
+        size = self.blocks.block_size
+        return size if self.end is None else min(size, self.end - self._index * size)
+
+    def update(self, view: memoryview) -> None:
+        """Feed the next bytes (a flat byte view)."""
+        n, pos = view.nbytes, 0
+        while pos < n:
+            if self._need <= 0:
+                raise ValueError(f"bytes fed past the end {self.end}")
+            take = min(self._need, n - pos)
+            self._crc = crc32c(view if take == n else view[pos : pos + take], self._crc)
+            pos += take
+            self._fill += take
+            self._need -= take
+            if not self._need:
+                self._close()
+
+    def finish(self) -> list[tuple[int, int]]:
+        """:attr:`bad`, a partly fed last block included (call once, at the end)."""
+        if self._fill:
+            self._close()
+        return self.bad
+
+    def _close(self) -> None:
+        if self._crc != self.blocks.crc(self._index):
+            self.bad.append((self._index, self._crc))
+        self._index += 1
+        self._crc, self._fill = 0, 0
+        self._need = self._length()
 
 
 def block_runs(

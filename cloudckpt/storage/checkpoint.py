@@ -29,7 +29,6 @@ from cloudckpt.storage.blocks import block_size_for, object_checksum
 from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view, crc32c, plan_parts
 from cloudckpt.storage.checked import Expected
 from cloudckpt.storage.edge import PRECONDITION_FAILED, error_code, io_errors, translate
-from cloudckpt.storage.local_scatter import Run, RunCheck, block_pieces, plan_runs
 from cloudckpt.storage.location import (
     Location,
     StoreKind,
@@ -38,6 +37,7 @@ from cloudckpt.storage.location import (
 )
 from cloudckpt.storage.pool import PendingWrite, RequestPool, guarded
 from cloudckpt.storage.reads import StorageReads
+from cloudckpt.storage.scatter import RunCheck, ScatterRun, plan_reads
 from cloudckpt.storage.streams import ObjectStream, PartSink, UploadStream
 from cloudckpt.storage.transport import GcsTransport, LocalTransport, Transport
 from cloudckpt.storage.types import ReadRequest, WriteResult
@@ -122,34 +122,31 @@ class CheckpointStorage(StorageReads, StorageAdmin):
     def read_into_many(self, items: Sequence[tuple[ReadRequest, Buffer]]) -> None:
         """:meth:`StorageReads.read_into_many`; on stores that read in place (local
         files), the ranges of each object are read in runs of whole blocks straight
-        into their buffers and checked there (:mod:`cloudckpt.storage.local_scatter`)."""
-        if self.transport.reads_in_place and not self.expected.verify_checksums:
-            views = [(request, as_bytes_view(buffer)) for request, buffer in items]
-            runs = plan_runs(self.expected, views, self.part_size)
-            if runs is not None:
-                for request, view in views:
-                    if not view.nbytes:  # no read, but the object must exist
-                        self.read(request.path, request.start, request.start)
-                self.pool.map(self._read_local_run, runs)
-                return
-        super().read_into_many(items)
+        into their buffers and checked there (:mod:`cloudckpt.storage.scatter`,
+        :meth:`_read_local_run`)."""
+        if not self.transport.reads_in_place or self.expected.verify_checksums:
+            super().read_into_many(items)
+            return
+        views = [(request, as_bytes_view(buffer)) for request, buffer in items]
+        runs = plan_reads(self.expected, views, self.part_size)
+        for request, view in views:
+            if not view.nbytes:  # no read, but the object must exist
+                self.read(request.path, request.start, request.start)
+        self.pool.map(self._read_local_run, runs)
 
-    def _read_local_run(self, run: Run) -> None:
-        """Fill one run's buffers from its object, checking each block as soon as it
-        is read (:class:`~cloudckpt.storage.local_scatter.RunCheck`)."""
+    def _read_local_run(self, run: ScatterRun) -> None:
+        """The local fill: one run's segments read from its object with ``readinto``,
+        piece by piece, each block checked as soon as it is read
+        (:meth:`~cloudckpt.storage.scatter.RunCheck.pieces`), then its copies."""
         check = RunCheck(run, self.expected)
-        pieces = block_pieces(run)
-        try:
+        with self._translated(run.path):
             got = self.transport.read_segments(
-                self.full_path(run.path), run.start, pieces, check.add
+                self.full_path(run.path), run.start, check.pieces(), check.add
             )
-        except FileNotFoundError as exc:
-            raise self.expected.not_found(run.path) from exc
-        except io_errors() as exc:
-            raise translate(exc, f"failed to read {self.child_uri(run.path)}: {exc}") from exc
         self._count_read(got)
-        self.expected.check_length(run.path, run.start, run.end - run.start, got)
+        self.expected.check_length(run.path, run.start, run.nbytes, got)
         check.finish()
+        run.copy_out()
 
     # -- writes ------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from cloudckpt.storage.buffers import Buffer, Progress, as_bytes_view
 from cloudckpt.storage.edge import io_errors, translate
 from cloudckpt.storage.handle import StorageHandle
 from cloudckpt.storage.retry import current_rank
-from cloudckpt.storage.scatter import ScatterRun, plan_scatter
+from cloudckpt.storage.scatter import ScatterRun, check_run, plan_reads
 from cloudckpt.storage.transport import StoreChecksumError
 from cloudckpt.storage.types import ReadRequest, WriteResult
 
@@ -150,27 +150,26 @@ class StorageReads(StorageHandle):
         every block it covers (with ``verify_checksums``, against the CRC-32C of the
         whole object, read in full). Where reads cost a request each (object stores),
         the buffers of one object are filled by GETs of merged runs of their blocks
-        streamed straight into them (:mod:`.scatter`).
+        streamed straight into them (:mod:`.scatter`, :meth:`_read_run`).
         """
         views = [(request, as_bytes_view(buffer)) for request, buffer in items]
         checked = [(r, v) for r, v in views if self.expected.needs_whole_read(r, v.nbytes)]
         direct: builtins.list[tuple[ReadRequest, memoryview]] = []
         edges: builtins.list[tuple[ReadRequest, memoryview]] = []
-        scattered: dict[str, builtins.list[tuple[int, memoryview]]] = {}
+        scattered: builtins.list[tuple[ReadRequest, memoryview]] = []
         for request, view in views:
             if self.expected.needs_whole_read(request, view.nbytes):
                 continue
             if self.transport.reads_in_place or self.expected.blocks_of(request.path) is None:
                 self._split(request, view, direct, edges)
             else:  # fetched with the others in merged runs of blocks (see Transport)
-                self.expected.check_range(request.path, request.start, request.start + view.nbytes)
-                scattered.setdefault(request.path, []).append((request.start, view))
+                scattered.append((request, view))
         ranges = [
             (request.path, request.start + a, view[a:b])
             for request, view in direct
             for a, b in self.transport.read_ranges(view.nbytes)
         ]
-        runs = [run for path, wanted in scattered.items() for run in self._plan(path, wanted)]
+        runs = plan_reads(self.expected, scattered, self.part_size)
         total = sum(v.nbytes for _, _, v in ranges) + sum(run.nbytes for run in runs)
         progress = Progress("read", self.uri, total, len(items))
         tasks: builtins.list[Callable[[], None]] = [
@@ -192,22 +191,15 @@ class StorageReads(StorageHandle):
         self.pool.map(lambda path: self._read_whole_into(by_object[path]), builtins.list(by_object))
         progress.finish()
 
-    def _plan(
-        self, path: str, wanted: Sequence[tuple[int, memoryview]]
-    ) -> builtins.list[ScatterRun]:
-        """The GETs filling ``wanted`` (start, buffer) of one object with block CRCs."""
-        blocks, size = self.expected.blocks_of(path), self.expected.size(path)
-        if blocks is None or size is None:  # callers pass listed objects with blocks
-            raise ValueError(f"{self.child_uri(path)} has no block CRCs to check")
-        return plan_scatter(path, wanted, size, blocks.block_size, self.part_size)
-
     def _read_run(self, run: ScatterRun, progress: Progress) -> None:
-        """One GET of a run into its segments; its blocks checked, then its copies."""
+        """The object-store fill: one ranged GET of a run streamed into its segments;
+        its blocks checked (:func:`~cloudckpt.storage.scatter.check_run`), then its
+        copies."""
         with self._translated(run.path):
             got = self.transport.fetch_scatter(self.full_path(run.path), run.start, run.segments)
         self._count_read(got)
         self.expected.check_length(run.path, run.start, run.nbytes, got)
-        self.expected.check_segments(run.path, run.start, run.segments)
+        check_run(run, self.expected)
         run.copy_out()
         progress.add(got)
 
