@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cloudckpt.commit import CommitState, no_checkpoint_error
+from cloudckpt.commit_state import CommitState, no_checkpoint_error
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig
 from cloudckpt.errors import CheckpointingException, CheckpointNotFoundError, IntegrityCheckError

@@ -155,7 +155,8 @@ def _check_server_pid(args: argparse.Namespace) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from cloudckpt.bench import raw, report  # noqa: PLC0415 - torch only when benchmarking
-    from cloudckpt.bench.runner import BenchOptions, run_bench  # noqa: PLC0415
+    from cloudckpt.bench.options import BenchOptions  # noqa: PLC0415
+    from cloudckpt.bench.runner import run_bench  # noqa: PLC0415
     from cloudckpt.config import CheckpointConfig  # noqa: PLC0415
     from cloudckpt.redact import redact_uri  # noqa: PLC0415
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cloudckpt.checker import ConsistencyReport
-from cloudckpt.commit import CommittedCheckpoint, open_committed, read_manifest
+from cloudckpt.commit_state import CommittedCheckpoint, open_committed, read_manifest
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import CheckpointingException
 from cloudckpt.manifest import Manifest, TensorEntry

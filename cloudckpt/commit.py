@@ -17,7 +17,7 @@ Reading the commit objects back (:func:`~cloudckpt.commit_state.read_commit_stat
 tells committed, uncommitted and foreign - Megatron-Core or PyTorch-written:
 ``metadata.json`` without a claim or manifest - checkpoints apart) is
 :mod:`cloudckpt.commit_state`; Megatron-Core 0.19's ``integrity.json`` is
-:mod:`cloudckpt.integrity_record`. This module re-exports both modules' names.
+:mod:`cloudckpt.integrity_record`.
 """
 
 from __future__ import annotations
@@ -32,15 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from cloudckpt.commit_state import (
-    CommitState,
-    CommittedCheckpoint,
-    amend_manifest,
-    no_checkpoint_error,
-    open_committed,
-    read_commit_state,
-    read_manifest,
-)
+from cloudckpt.commit_state import read_commit_state
 from cloudckpt.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from cloudckpt.errors import (
     CheckpointingException,
@@ -49,7 +41,6 @@ from cloudckpt.errors import (
     CommitConflictError,
     ObjectExistsError,
 )
-from cloudckpt.integrity_record import integrity_sources, sha256_digests, write_integrity_record
 from cloudckpt.manifest import (
     CLAIM_FNAME,
     MANIFEST_FNAME,
@@ -76,18 +67,6 @@ __all__ = [
     "uncommit",
     "withdraw",
     "write_claim",
-    # re-exported from cloudckpt.commit_state and cloudckpt.integrity_record (the
-    # library's readers of commit objects and the tests import them from here)
-    "CommitState",
-    "CommittedCheckpoint",
-    "amend_manifest",
-    "no_checkpoint_error",
-    "open_committed",
-    "read_commit_state",
-    "read_manifest",
-    "integrity_sources",
-    "sha256_digests",
-    "write_integrity_record",
 ]
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as torch_dist
 
 from cloudckpt import dist_guard, dist_objects
-from cloudckpt.dist_guard import await_works, bounded, wait_blocking
+from cloudckpt.dist_guard import bounded
+from cloudckpt.dist_wait import await_works, wait_blocking
 from cloudckpt.errors import (
     CheckpointingException,
     CollectiveError,
@@ -210,7 +211,7 @@ def check_in(what: str, group: Any = None) -> None:
 
 def await_collective(what: str, work: Any, group: Any = None) -> None:
     """Wait for an asynchronous tensor collective (``async_op=True``) of ``group``,
-    bounded as cloudckpt's own collectives are (:func:`cloudckpt.dist_guard.await_works`)."""
+    bounded as cloudckpt's own collectives are (:func:`cloudckpt.dist_wait.await_works`)."""
     if is_distributed():
         await_works(what, [work], group)
 

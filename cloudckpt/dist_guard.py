@@ -29,9 +29,10 @@ missing ranks; one that stops for ``heartbeat_timeout_s`` (a SIGKILL, a crash, a
 SIGSTOP) fails the collective at once with a :class:`RankLostError` naming it.
 
 Inside the backend's collective: cloudckpt runs it asynchronously and polls it
-(:func:`await_works`), watching the peers' heartbeats, so a rank that dies or freezes
-there, after it checked in, is named within ``heartbeat_timeout_s`` too, instead of
-leaving its peers blocked until the process group's timeout. A backend error there
+(:func:`~cloudckpt.dist_wait.await_works`), watching the peers' heartbeats, so a rank
+that dies or freezes there, after it checked in, is named within
+``heartbeat_timeout_s`` too, instead of leaving its peers blocked until the process
+group's timeout. A backend error there
 (gloo: "Connection closed by peer") becomes a :class:`RankLostError` naming the ranks
 whose heartbeat stopped.
 
@@ -42,7 +43,7 @@ timeout.
 The parts: :mod:`cloudckpt.dist_bounds` (the timeouts), :mod:`cloudckpt.dist_group` (a
 group's keys in the store, its verdicts), :mod:`cloudckpt.dist_heartbeat` (the
 heartbeats), :mod:`cloudckpt.dist_wait` (waiting inside the backend's collective); this
-module holds the barrier and re-exports what :mod:`cloudckpt.dist` uses of the others.
+module holds the barrier.
 """
 
 from __future__ import annotations
@@ -58,21 +59,9 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
-from cloudckpt.dist_bounds import _BOUNDS, WAIT_SLICE_S
-from cloudckpt.dist_bounds import (  # re-exported: cloudckpt.strategies' async calls use them
-    Bounds as Bounds,  # noqa: PLC0414
-)
-from cloudckpt.dist_bounds import (
-    current_bounds as current_bounds,  # noqa: PLC0414
-)
+from cloudckpt.dist_bounds import _BOUNDS, WAIT_SLICE_S, Bounds, current_bounds
 from cloudckpt.dist_group import _OK, _decode, _Guard, _guard, _verdict_error
 from cloudckpt.dist_heartbeat import _HEARTBEAT, _Watcher
-from cloudckpt.dist_wait import (  # re-exported: cloudckpt.dist and dist_objects use them
-    await_works as await_works,  # noqa: PLC0414
-)
-from cloudckpt.dist_wait import (
-    wait_blocking as wait_blocking,  # noqa: PLC0414
-)
 from cloudckpt.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
@@ -130,7 +119,7 @@ def check_in(what: str, group: Any = None) -> None:
     ranks are awake and answer at once). A rank frozen while it waited for the others
     to arrive thus fails the departure round instead of leaving the others inside the
     backend's collective. A rank stopped after the departure round is caught by
-    :func:`await_works`, which bounds the wait inside the backend's collective.
+    :func:`~cloudckpt.dist_wait.await_works`, which bounds the wait inside the backend's collective.
 
     Raises:
         CollectiveTimeoutError: ranks did not check in within ``collective_timeout_s``.

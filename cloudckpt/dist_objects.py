@@ -5,7 +5,7 @@
 that dies or freezes there, after it checked in at cloudckpt's barrier
 (:func:`cloudckpt.dist_guard.check_in`), leaves this rank waiting for the process
 group's own timeout. These do the same with asynchronous tensor collectives
-(``async_op=True``) awaited by :func:`cloudckpt.dist_guard.await_works`, which watches
+(``async_op=True``) awaited by :func:`cloudckpt.dist_wait.await_works`, which watches
 the peers' heartbeats meanwhile. Only ranks of one job exchange them.
 
 An all-gather and a gather send pickles in two rounds at most. The first, an
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from cloudckpt.dist_guard import await_works
+from cloudckpt.dist_wait import await_works
 
 __all__ = ["all_gather_objects", "broadcast_object", "gather_objects", "scatter_objects"]
 

@@ -1,7 +1,7 @@
 """Loading a committed checkpoint: a :class:`LoadSession` opens it once, and
 :func:`load_checkpoint` runs a collective load phase by phase.
 
-The session reads the commit records once (:func:`cloudckpt.commit.open_committed`),
+The session reads the commit records once (:func:`cloudckpt.commit_state.open_committed`),
 binds the strategies that ``metadata.json`` names (or the caller's, checked against
 it) and checks every read against the manifest. Each phase of a load that can fail on
 one rank only ends in an agreement (:func:`cloudckpt.dist.agree`).
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from cloudckpt import dist
-from cloudckpt.commit import CommittedCheckpoint, open_committed
+from cloudckpt.commit_state import CommittedCheckpoint, open_committed
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.dict_utils import (
     dict_list_map_outplace,

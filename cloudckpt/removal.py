@@ -23,7 +23,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cloudckpt.commit import no_checkpoint_error, read_tombstone
+from cloudckpt.commit import read_tombstone
+from cloudckpt.commit_state import no_checkpoint_error
 from cloudckpt.core import CONFIG_FNAME
 from cloudckpt.errors import CommitConflictError, ObjectExistsError
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME

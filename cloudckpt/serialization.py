@@ -19,14 +19,9 @@ from typing import Any, TypeVar
 
 from cloudckpt import dist
 from cloudckpt.checker import check_integrity
-from cloudckpt.commit import (
-    integrity_sources,
-    open_committed,
-    read_commit_state,
-    sha256_digests,
-    write_integrity_record,
-)
+from cloudckpt.commit_state import open_committed, read_commit_state
 from cloudckpt.config import CheckpointConfig
+from cloudckpt.integrity_record import integrity_sources, sha256_digests, write_integrity_record
 from cloudckpt.load_session import LoadSession, load_checkpoint
 from cloudckpt.manifest import INTEGRITY_FNAME
 from cloudckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict

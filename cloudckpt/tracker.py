@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from cloudckpt.commit import read_commit_state
+from cloudckpt.commit_state import read_commit_state
 from cloudckpt.config import CheckpointConfig
 from cloudckpt.errors import CheckpointNotFoundError, CommitConflictError
 from cloudckpt.manifest import CLAIM_FNAME, MANIFEST_FNAME, Manifest, ManifestError
@@ -62,7 +62,7 @@ class CheckpointInfo:
         uri: ``parent_uri.rstrip("/") + "/" + name``.
         name: the child prefix's name, e.g. ``"iter_0001000"``.
         iteration: the name's trailing integer (``iter_0001000`` -> 1000), else None.
-        committed: the commit protocol finished (see :class:`~cloudckpt.commit.CommitState`).
+        committed: the commit protocol finished (see :class:`~cloudckpt.commit_state.CommitState`).
         foreign: written by Megatron-Core or PyTorch (``metadata.json`` only).
         size: bytes of the objects the manifest lists (None without a manifest).
         created: the manifest's commit time, ISO 8601 UTC ("" without one).

@@ -33,9 +33,9 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt import ShardedTensor, dist, dist_guard
+from cloudckpt import ShardedTensor, dist
 from cloudckpt.config import CheckpointConfig
-from cloudckpt.dist_bounds import DEFAULT_HEARTBEAT_TIMEOUT_S, Bounds
+from cloudckpt.dist_bounds import DEFAULT_HEARTBEAT_TIMEOUT_S, Bounds, current_bounds
 from cloudckpt.launch import RankPool
 from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from tests.faultproxy import FaultProxy
@@ -180,23 +180,21 @@ def test_a_request_carries_the_bounds_in_force_when_it_was_made() -> None:
 def test_the_queue_finalizes_within_the_request_bounds(persistent: bool) -> None:
     seen: list[tuple[str, Bounds]] = []
     with dist.bounded(CheckpointConfig(collective_timeout_s=7.0, heartbeat_timeout_s=1.0)):
-        first = AsyncRequest(None, (), [lambda: seen.append(("a", dist_guard.current_bounds()))])
+        first = AsyncRequest(None, (), [lambda: seen.append(("a", current_bounds()))])
     with dist.bounded(CheckpointConfig(collective_timeout_s=9.0, heartbeat_timeout_s=0)):
-        second = AsyncRequest(
-            lambda: None, (), [lambda: seen.append(("b", dist_guard.current_bounds()))]
-        )
+        second = AsyncRequest(lambda: None, (), [lambda: seen.append(("b", current_bounds()))])
     with AsyncCallsQueue(persistent=persistent) as queue:
         queue.schedule_async_request(first)
         queue.schedule_async_request(second)
-        assert dist_guard.current_bounds() == Bounds.resolve()  # outside: the defaults
+        assert current_bounds() == Bounds.resolve()  # outside: the defaults
     assert seen == [("a", Bounds(7.0, 1.0)), ("b", Bounds(9.0, 0.0))]
-    assert dist_guard.current_bounds() == Bounds.resolve()  # and again after
+    assert current_bounds() == Bounds.resolve()  # and again after
 
 
 def test_execute_sync_runs_within_the_request_bounds() -> None:
     seen: list[Bounds] = []
     with dist.bounded(CheckpointConfig(collective_timeout_s=5.0, heartbeat_timeout_s=0.5)):
-        request = AsyncRequest(None, (), [lambda: seen.append(dist_guard.current_bounds())])
+        request = AsyncRequest(None, (), [lambda: seen.append(current_bounds())])
     request.execute_sync()
     assert seen == [Bounds(5.0, 0.5)]
 

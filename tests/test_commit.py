@@ -12,6 +12,7 @@ import torch
 
 import cloudckpt
 from cloudckpt import commit as commit_mod
+from cloudckpt import commit_state
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.errors import (
     CheckpointingException,
@@ -166,11 +167,11 @@ def test_second_claim_and_manifest_are_refused_where_the_store_enforces_it(
             commit_mod.claim(storage)
         with pytest.raises(CommitConflictError, match="committed by another job"):
             commit_mod.commit(storage, [other], backends)
-        assert commit_mod.read_manifest(storage) == first
+        assert commit_state.read_manifest(storage) == first
     else:
         commit_mod.claim(storage)  # replaces the claim: nothing stops a second job
         second = commit_mod.commit(storage, [other], backends)
-        assert second is not None and commit_mod.read_manifest(storage) == second
+        assert second is not None and commit_state.read_manifest(storage) == second
 
 
 def test_create_only_writes_on_gcs_are_simple_uploads_whatever_their_size(
@@ -249,7 +250,7 @@ def test_save_writes_claim_manifest_and_metadata_last(
     # metadata.json, the first bytes of the manifest (that no removal replaced it)
     gets = [c for c in calls if c.startswith("GetObject")]
     assert gets == [f"GetObject {CLAIM_FNAME}", f"GetObject {MANIFEST_FNAME}"]
-    manifest = commit_mod.read_manifest(storage)
+    manifest = commit_state.read_manifest(storage)
     assert manifest is not None
     listed = storage.list_sizes()
     assert {e.path: e.size for e in manifest.objects} == {
@@ -299,7 +300,7 @@ def test_a_checkpoint_without_claim_or_manifest_is_foreign_and_loads(tmp_path) -
     storage = CheckpointStorage(uri)
     storage.delete(MANIFEST_FNAME)
     storage.delete(CLAIM_FNAME)
-    state = commit_mod.read_commit_state(storage)
+    state = commit_state.read_commit_state(storage)
     assert state.committed and state.foreign
     loaded = cloudckpt.load(_request(), uri)
     assert torch.equal(loaded["w"], _state(3)["w"].data)
@@ -354,7 +355,7 @@ def test_second_commit_of_one_uri_is_a_conflict(tmp_path) -> None:
     assert first is not None and first.objects == (ManifestEntry("x", 4, result.crc32c),)
     with pytest.raises(CommitConflictError, match="committed by another job"):
         commit_mod.commit(storage, [result], backends)
-    assert commit_mod.read_manifest(storage) == first
+    assert commit_state.read_manifest(storage) == first
 
 
 # --- two jobs, one URI --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from cloudckpt import commit as commit_mod
+from cloudckpt import commit_state
 from cloudckpt.commit import build_manifest, tensor_piece
 from cloudckpt.core import CheckpointingConfig
 from cloudckpt.errors import CheckpointingException
@@ -270,7 +271,7 @@ def test_commit_across_ranks_sends_replicated_entries_once(rank_pool, tmp_path) 
     stages = [f"stage{s}.w{i}" for s in (0, 1) for i in range(3)]
     paths = [f"r{r}/{i}" for r in range(4) for i in range(2)] + ["shared"]
     assert out == [stages + paths, [], [], []]
-    manifest = commit_mod.read_manifest(CheckpointStorage(uri))
+    manifest = commit_state.read_manifest(CheckpointStorage(uri))
     assert manifest is not None and manifest.common_keys == ("it",)
     assert manifest.world_size == 4
 
@@ -280,4 +281,4 @@ def test_commit_across_ranks_refuses_two_results_for_one_path(rank_pool, tmp_pat
     out = rank_pool.run(_commit_scenario, uri, True)
     assert all(isinstance(o, str) and "'shared' was written twice" in o for o in out), out
     assert all("(rank 3 among them)" in o for o in out)
-    assert commit_mod.read_manifest(CheckpointStorage(uri)) is None
+    assert commit_state.read_manifest(CheckpointStorage(uri)) is None

@@ -41,9 +41,7 @@ from typing import Any
 
 from cloudckpt.bench import raw
 from cloudckpt.bench.measure import RankFigures
-from cloudckpt.bench.options import (  # re-exported: cloudckpt.cli_bench imports it from here
-    BenchOptions as BenchOptions,  # noqa: PLC0414
-)
+from cloudckpt.bench.options import BenchOptions
 from cloudckpt.bench.phases import RankExtras, _cloudckpt_round, _warm_up, fully_parallel_strategies
 from cloudckpt.bench.raw_rounds import _raw_local_round, _raw_s3_round
 from cloudckpt.bench.workload import (

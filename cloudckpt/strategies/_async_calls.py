@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cloudckpt import dist
-from cloudckpt.dist_guard import Bounds
+from cloudckpt.dist_bounds import Bounds
 from cloudckpt.errors import CheckpointingException
 
 logger = logging.getLogger(__name__)

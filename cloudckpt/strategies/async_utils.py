@@ -55,7 +55,7 @@ from types import TracebackType
 from typing import Any, ClassVar, Self
 
 from cloudckpt import dist
-from cloudckpt.dist_guard import Bounds, current_bounds
+from cloudckpt.dist_bounds import Bounds, current_bounds
 from cloudckpt.errors import (
     CheckpointingException,
     DistributedCheckpointError,
@@ -120,7 +120,7 @@ class AsyncRequest:
         call_idx: the index the queue gave the request when scheduling it.
         bounds: the bounds of the collectives made for the request after it was
             made (see the module docstring); by default those in force where it is
-            made (:func:`~cloudckpt.dist_guard.current_bounds`: a ``save``'s config).
+            made (:func:`~cloudckpt.dist_bounds.current_bounds`: a ``save``'s config).
 
     The field order is Megatron-Core's (its AsyncRequest is a NamedTuple), and
     ``_replace``, ``_asdict`` and ``_fields`` work as on it (``bounds``, cloudckpt's

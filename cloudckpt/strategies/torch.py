@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from cloudckpt.commit import amend_manifest
+from cloudckpt.commit_state import amend_manifest
 from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
 from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
 from cloudckpt.formats.dcp.checkpointable import (  # Megatron-Core's torch.py has them

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from cloudckpt.commit import amend_manifest
+from cloudckpt.commit_state import amend_manifest
 from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
 from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
 from cloudckpt.errors import (
