@@ -43,11 +43,11 @@ from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 
 from cloudckpt.config import MiB
 from cloudckpt.formats.dcp.torch_zip import Reader, ZipLayoutError, find_storage
+from cloudckpt.formats.geometry import Box, shard_box
 from cloudckpt.formats.tensor_bytes import bytes_to_tensor
 from cloudckpt.mapping import ShardedTensor
 from cloudckpt.storage import ReadRequest
 from cloudckpt.storage.buffers import BufferReader
-from cloudckpt.validation import chunk_shape
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ _STORAGE_RECORD = re.compile(r"[^/]+/data/\d+")
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra length
 _LOCAL_SIGNATURE = b"PK\x03\x04"
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 Record = tuple[int, int]  # (start within the item, nbytes) of the tensor's elements
 
 
@@ -205,7 +204,7 @@ def read_box(shape: tuple[int, ...], box: Box, itemsize: int, gap: int = READ_GA
         ):
             break
         offsets[dim], sizes[dim] = 0, shape[dim]
-    return tuple(offsets), tuple(sizes)
+    return Box(tuple(offsets), tuple(sizes))
 
 
 def element_runs(shape: tuple[int, ...], box: Box) -> list[tuple[int, int]]:
@@ -340,41 +339,13 @@ def assemble(
 def needed_box(sh: ShardedTensor) -> Box:
     """The box of the global tensor ``sh`` needs: its chunk, or for a flattened range
     the rows (first dimension) of its chunk that the range touches."""
-    offsets, shape = tuple(sh.global_offset), chunk_shape(sh)
+    box = shard_box(sh)
+    offsets, shape = box
     flat = sh.flattened_range
     if flat is None or not shape or flat.stop <= flat.start:
-        return offsets, shape
+        return box
     row = math.prod(shape[1:])
     if row == 0:
-        return offsets, shape
+        return box
     first, last = flat.start // row, min(-(-flat.stop // row), shape[0])
-    return (offsets[0] + first, *offsets[1:]), (last - first, *shape[1:])
-
-
-def intersection(a: Box, b: Box) -> Box | None:
-    """The box both ``a`` and ``b`` cover (same coordinates), or None if empty."""
-    offsets, sizes = [], []
-    for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True):
-        lo, hi = max(oa, ob), min(oa + sa, ob + sb)
-        if lo >= hi:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offsets), tuple(sizes)
-
-
-def bounding(a: Box, b: Box) -> Box:
-    """The smallest box covering ``a`` and ``b``."""
-    lo = [min(oa, ob) for oa, ob in zip(a[0], b[0], strict=True)]
-    hi = [max(oa + sa, ob + sb) for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True)]
-    return tuple(lo), tuple(h - low for h, low in zip(hi, lo, strict=True))
-
-
-def relative(box: Box, origin: tuple[int, ...]) -> Box:
-    """``box`` in the coordinates of a box starting at ``origin``."""
-    return tuple(o - g for o, g in zip(box[0], origin, strict=True)), box[1]
-
-
-def absolute(box: Box, origin: tuple[int, ...]) -> Box:
-    """``box`` (relative to a box starting at ``origin``) in global coordinates."""
-    return tuple(o + g for o, g in zip(box[0], origin, strict=True)), box[1]
+    return Box((offsets[0] + first, *offsets[1:]), (last - first, *shape[1:]))

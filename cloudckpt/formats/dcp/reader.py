@@ -5,11 +5,11 @@ chunks overlapping it and reads, of each, the region the batch's shards overlap:
 where cloudckpt recorded where an item's elements lie, only the byte ranges of that
 region (:mod:`cloudckpt.formats.dcp.ranges`), else the whole item (one ranged
 read of the ``.distcp`` object, decoded); all concurrently, through
-:mod:`cloudckpt.storage`. It then copies the overlaps. Tensors stored in the N-D
-flattened layout (see :mod:`cloudckpt.formats.dcp.checkpointable`) are reassembled
-into the grid chunks they were cut from (of a chunk, only the pieces the region
-needs are read). Requests are handled in batches of bounded size, so peak memory
-stays near one batch.
+:mod:`cloudckpt.storage`. It then copies the overlaps (boxes and overlaps:
+:mod:`cloudckpt.formats.geometry`). Tensors stored in the N-D flattened layout (see
+:mod:`cloudckpt.formats.dcp.checkpointable`) are reassembled into the grid chunks
+they were cut from (of a chunk, only the pieces the region needs are read). Requests
+are handled in batches of bounded size, so peak memory stays near one batch.
 """
 
 from __future__ import annotations
@@ -39,19 +39,14 @@ from cloudckpt.errors import (
 )
 from cloudckpt.formats.dcp.metadata_check import check_orig_shape, check_tensor, check_top
 from cloudckpt.formats.dcp.ranges import (
-    Box,
     Piece,
     PieceRead,
     Record,
     RegionPlan,
-    absolute,
     assemble,
-    bounding,
-    intersection,
     needed_box,
     plan_reads,
     records_of,
-    relative,
 )
 from cloudckpt.formats.dcp.storage import (
     METADATA_FNAME,
@@ -59,6 +54,16 @@ from cloudckpt.formats.dcp.storage import (
     load_object_item,
     load_tensor_item,
     read_metadata,
+)
+from cloudckpt.formats.geometry import (
+    Box,
+    absolute,
+    bounding,
+    copy_overlap,
+    grid_box,
+    intersection,
+    relative,
+    shard_box,
 )
 from cloudckpt.formats.tensor_bytes import tensor_bytes
 from cloudckpt.mapping import ShardedObject, ShardedTensor
@@ -124,18 +129,6 @@ class _Source:
     key: str
     box: Box
     items: tuple[Piece, ...]
-
-
-def _overlap(a: Box, b: Box) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
-    """Slices of ``a`` and of ``b`` selecting their intersection, or None if empty."""
-    in_a, in_b = [], []
-    for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True):
-        lo, hi = max(oa, ob), min(oa + sa, ob + sb)
-        if lo >= hi:
-            return None
-        in_a.append(slice(lo - oa, hi - oa))
-        in_b.append(slice(lo - ob, hi - ob))
-    return tuple(in_a), tuple(in_b)
 
 
 class DcpCheckpoint:
@@ -229,7 +222,7 @@ class DcpCheckpoint:
             return [
                 _Source(
                     key,
-                    (tuple(c.offsets), tuple(c.sizes)),
+                    Box(tuple(c.offsets), tuple(c.sizes)),
                     (Piece(MetadataIndex(key, c.offsets), 0, math.prod(c.sizes)),),
                 )
                 for c in md.chunks
@@ -255,8 +248,7 @@ class DcpCheckpoint:
         for c in md.chunks:
             piece = Piece(MetadataIndex(key, c.offsets), c.offsets[-1], c.sizes[-1])
             pieces.setdefault(tuple(c.offsets[:-1]), []).append(piece)
-        origin = {i: tuple(a * n for a, n in zip(i, local, strict=True)) for i in pieces}
-        return [_Source(key, (origin[i], local), tuple(p)) for i, p in pieces.items()]
+        return [_Source(key, grid_box(i, local), tuple(p)) for i, p in pieces.items()]
 
     def load_tensors(self, tensors: Sequence[ShardedTensor]) -> dict[int, torch.Tensor]:
         """Load every requested tensor; returns ``{id(sharded_tensor): tensor}``."""
@@ -286,11 +278,11 @@ class DcpCheckpoint:
         chunks); None when there is none or the tensor is stored flattened."""
         if sh.flattened_range is not None or self.orig_shape(sh.key) is not None:
             return None
-        offsets, shape = tuple(sh.global_offset), chunk_shape(sh)
-        if self._chunk_sizes(sh.key).get(offsets) != shape:
+        box = shard_box(sh)
+        if self._chunk_sizes(sh.key).get(box.offsets) != box.sizes:
             return None
-        piece = Piece(MetadataIndex(sh.key, offsets), 0, math.prod(shape))
-        return _Source(sh.key, (offsets, shape), (piece,))
+        piece = Piece(MetadataIndex(sh.key, box.offsets), 0, math.prod(box.sizes))
+        return _Source(sh.key, box, (piece,))
 
     def _chunk_sizes(self, key: str) -> dict[tuple[int, ...], tuple[int, ...]]:
         """``{offsets: sizes}`` of ``key``'s stored chunks."""
@@ -311,22 +303,22 @@ class DcpCheckpoint:
 
     def _plan(self, sh: ShardedTensor, sources: list[_Source]) -> list[_Source]:
         box = needed_box(sh)
-        chosen = [s for s in sources if _overlap(s.box, box) is not None]
+        chosen = [s for s in sources if intersection(s.box, box) is not None]
         self._require_covered(sh.key, box, chosen)
         return chosen
 
     def _require_covered(self, key: str, box: Box, sources: list[_Source]) -> None:
         """The stored chunks must hold every element of ``box`` that the stored tensor
         has: a ``.metadata`` whose chunks leave a gap would load zeros there."""
-        extent = ((0,) * len(box[0]), self.global_shape(key))
-        wanted = intersection(box, extent) if len(extent[1]) == len(box[0]) else None
-        need = math.prod(wanted[1]) if wanted is not None else 0
+        extent = Box((0,) * len(box.offsets), self.global_shape(key))
+        wanted = intersection(box, extent) if len(extent.sizes) == len(box.offsets) else None
+        need = math.prod(wanted.sizes) if wanted is not None else 0
         found = (intersection(s.box, box) for s in sources)
-        held = sum(math.prod(f[1]) for f in found if f is not None)
+        held = sum(math.prod(f.sizes) for f in found if f is not None)
         if held < need:
             raise MalformedCheckpointError(
                 f"{self._metadata_uri}: the stored chunks of tensor {key!r} hold {held} of "
-                f"the {need} elements at offsets {box[0]}, sizes {box[1]}"
+                f"the {need} elements at offsets {box.offsets}, sizes {box.sizes}"
             )
 
     def _item_size(self, index: MetadataIndex) -> int:
@@ -363,7 +355,7 @@ class DcpCheckpoint:
         if len(sources) != 1 or len(sources[0].items) != 1 or sh.flattened_range is not None:
             return None
         (source,), (piece,) = sources, sources[0].items
-        if source.box != (tuple(sh.global_offset), chunk_shape(sh)):
+        if source.box != shard_box(sh):
             return None
         if self.tensor_metadata(sh.key).properties.dtype != sh.dtype:
             return None
@@ -409,12 +401,14 @@ class DcpCheckpoint:
         regions: dict[_Source, tuple[Box, torch.Tensor]] = {}
         out = {}
         for sh, sources in batch:
-            box = torch.zeros(chunk_shape(sh), dtype=sh.dtype)  # zeros pad a shape mismatch
+            box = shard_box(sh)
+            chunk = torch.zeros(box.sizes, dtype=sh.dtype)  # zeros pad a shape mismatch
             for source in sources:
                 if source not in regions:
                     regions[source] = self._region(source, plans[source], fetched)
-                _copy_overlap(box, (tuple(sh.global_offset), chunk_shape(sh)), *regions[source])
-            out[id(sh)] = _placed(sh, box)
+                region_box, region = regions[source]
+                copy_overlap(chunk, box, region, region_box)
+            out[id(sh)] = _placed(sh, chunk)
         return out
 
     def _region_plan(self, source: _Source, needed: Box) -> RegionPlan:
@@ -426,8 +420,8 @@ class DcpCheckpoint:
             request = self._request(piece.index)
             return request, records.get(tuple(piece.index.offset or ()))
 
-        rel = relative(needed, source.box[0])
-        return plan_reads(source.box[1], rel, source.items, dtype.itemsize, locate)
+        rel = relative(needed, source.box.offsets)
+        return plan_reads(source.box.sizes, rel, source.items, dtype.itemsize, locate)
 
     def _records(self, key: str) -> dict[tuple[int, ...], Record]:
         """Where the elements of ``key``'s items lie within them, by chunk offsets;
@@ -455,7 +449,7 @@ class DcpCheckpoint:
                 )
             return tensor
 
-        return absolute(plan.box, source.box[0]), assemble(plan, dtype, fetched, decode)
+        return absolute(plan.box, source.box.offsets), assemble(plan, dtype, fetched, decode)
 
     # -- objects ----------------------------------------------------------------------
 
@@ -552,10 +546,3 @@ def _placed(sh: ShardedTensor, chunk: torch.Tensor) -> torch.Tensor:
     if sh.data is not None and sh.data.device.type not in ("cpu", "meta"):
         result = result.to(sh.data.device)
     return result
-
-
-def _copy_overlap(out: torch.Tensor, out_box: Box, region: Box, tensor: torch.Tensor) -> None:
-    overlap = _overlap(region, out_box)
-    if overlap is not None:
-        in_region, in_out = overlap
-        out[in_out] = tensor[in_region]

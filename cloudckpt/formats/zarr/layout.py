@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from cloudckpt.errors import IncompatibleCheckpointError, MalformedCheckpointError
+from cloudckpt.formats.geometry import Box, grid_box, grid_indices, overlap_slices
 from cloudckpt.formats.tensor_bytes import bytes_to_tensor
 
 ZARRAY = ".zarray"
@@ -296,33 +297,25 @@ class ChunkOverlap:
         index: chunk index in the chunk grid.
         in_chunk: slices selecting the overlap inside the chunk.
         in_box: slices selecting the overlap inside the requested box.
+        chunk: the chunk's box of the global array, clipped to the array.
     """
 
     index: tuple[int, ...]
     in_chunk: tuple[slice, ...]
     in_box: tuple[slice, ...]
+    chunk: Box
 
 
 def overlapping_chunks(
     meta: ArrayMeta, offset: tuple[int, ...], shape: tuple[int, ...]
 ) -> Iterator[ChunkOverlap]:
     """Every chunk that intersects the box ``[offset, offset + shape)``, clipped to the array."""
-    ranges = []
-    for off, size, dim, chunk in zip(offset, shape, meta.shape, meta.chunks, strict=True):
-        stop = min(off + size, dim)
-        if stop <= off:
-            return
-        ranges.append(range(off // chunk, (stop - 1) // chunk + 1))
-    for index in itertools.product(*ranges):
-        in_chunk, in_box = [], []
-        for i, off, size, dim, chunk in zip(
-            index, offset, shape, meta.shape, meta.chunks, strict=True
-        ):
-            lo = max(off, i * chunk)
-            hi = min(off + size, (i + 1) * chunk, dim)
-            in_chunk.append(slice(lo - i * chunk, hi - i * chunk))
-            in_box.append(slice(lo - off, hi - off))
-        yield ChunkOverlap(tuple(index), tuple(in_chunk), tuple(in_box))
+    box = Box(offset, shape)
+    for index in grid_indices(box, meta.chunks, meta.shape):
+        chunk = grid_box(index, meta.chunks, meta.shape)
+        overlap = overlap_slices(chunk, box)
+        if overlap is not None:  # always, for positive chunk sizes
+            yield ChunkOverlap(index, *overlap, chunk)
 
 
 def row_byte_range(meta: ArrayMeta, in_chunk: tuple[slice, ...]) -> tuple[int, int]:

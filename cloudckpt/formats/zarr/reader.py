@@ -3,8 +3,9 @@
 A requested shard is a box of the global array (its offset and local shape). The
 reader finds the stored chunks overlapping that box, fetches them concurrently
 through :mod:`cloudckpt.storage` - for raw chunks only the byte range of the rows
-it needs - and copies the overlaps into a fresh tensor. Requests are processed in
-batches of bounded size so that peak memory stays near the size of one batch.
+it needs - and copies the overlaps into a fresh tensor (boxes and overlaps:
+:mod:`cloudckpt.formats.geometry`). Requests are processed in batches of bounded
+size so that peak memory stays near the size of one batch.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from cloudckpt.errors import (
     CheckpointNotFoundError,
     TensorMismatchError,
 )
+from cloudckpt.formats.geometry import Box, copy_overlap, overlap_slices, shard_box
 from cloudckpt.formats.tensor_bytes import bytes_to_tensor, tensor_bytes
 from cloudckpt.formats.zarr.layout import (
     ZARRAY,
     ArrayMeta,
-    ChunkOverlap,
     decode_chunk,
     overlapping_chunks,
     row_byte_range,
@@ -43,11 +44,12 @@ DEFAULT_BATCH_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class _Piece:
-    """One read serving one overlap of one requested tensor."""
+    """One read serving one overlap of one requested tensor: ``box`` is what the read
+    yields, of the global array (clipped to it): the chunk's box, or of a row range,
+    its rows."""
 
     request: ReadRequest
-    overlap: ChunkOverlap
-    first_row: int  # row of the chunk the read starts at (0 for whole chunks)
+    box: Box
 
 
 class TensorReader:
@@ -170,16 +172,15 @@ class TensorReader:
         return {id(sh): self._assemble(sh, metas[sh.key], plans[id(sh)], fetched) for sh in batch}
 
     def _plan(self, sh: ShardedTensor, meta: ArrayMeta) -> list[_Piece]:
-        box = chunk_shape(sh)
         pieces = []
-        for overlap in overlapping_chunks(meta, tuple(sh.global_offset), box):
+        for overlap in overlapping_chunks(meta, *shard_box(sh)):
             path = f"{sh.key}/{meta.chunk_key(overlap.index)}"
             if meta.is_raw and meta.order == "C" and overlap.in_chunk:
                 start, end = row_byte_range(meta, overlap.in_chunk)
-                first_row = overlap.in_chunk[0].start
-                pieces.append(_Piece(ReadRequest(path, start, end), overlap, first_row))
+                rows = _rows(overlap.chunk, overlap.in_chunk[0])
+                pieces.append(_Piece(ReadRequest(path, start, end), rows))
             else:
-                pieces.append(_Piece(ReadRequest(path), overlap, 0))
+                pieces.append(_Piece(ReadRequest(path), overlap.chunk))
         return pieces
 
     def _assemble(
@@ -189,14 +190,17 @@ class TensorReader:
         pieces: list[_Piece],
         fetched: dict[ReadRequest, bytes],
     ) -> torch.Tensor:
-        box = torch.zeros(chunk_shape(sh), dtype=meta.dtype)  # zeros pad a shape mismatch
+        box = shard_box(sh)
+        chunk = torch.zeros(box.sizes, dtype=meta.dtype)  # zeros pad a shape mismatch
         for piece in pieces:
             if piece.request not in fetched and meta.fill_value is not None:
-                box[piece.overlap.in_box] = meta.fill_value  # never written: the fill value
+                overlap = overlap_slices(piece.box, box)
+                if overlap is not None:
+                    chunk[overlap[1]] = meta.fill_value  # never written: the fill value
                 continue
             part = self._decode(meta, piece, fetched[piece.request])
-            box[piece.overlap.in_box] = part[_shift_rows(piece.overlap.in_chunk, piece.first_row)]
-        result = box.reshape(tuple(sh.local_shape))
+            copy_overlap(chunk, box, part, piece.box)
+        result = chunk.reshape(tuple(sh.local_shape))
         if sh.flattened_range is not None:
             result = result.reshape(-1)[sh.flattened_range].clone()
         return _finish(sh, result)
@@ -205,7 +209,7 @@ class TensorReader:
         where = self.storage.child_uri(piece.request.path)
         if piece.request.end is None:
             return decode_chunk(meta, raw, where)
-        rows = piece.overlap.in_chunk[0].stop - piece.first_row
+        rows = piece.box.sizes[0]
         expected = piece.request.end - piece.request.start
         if len(raw) != expected:
             raise CheckpointingException(
@@ -215,11 +219,10 @@ class TensorReader:
         return bytes_to_tensor(raw, meta.dtype).reshape((rows, *tuple(meta.chunks[1:])))
 
 
-def _shift_rows(in_chunk: tuple[slice, ...], first_row: int) -> tuple[slice, ...]:
-    if not in_chunk or not first_row:
-        return in_chunk
-    head = in_chunk[0]
-    return (slice(head.start - first_row, head.stop - first_row), *in_chunk[1:])
+def _rows(box: Box, rows: slice) -> Box:
+    """The ``rows`` (axis 0, relative to ``box``) of ``box``."""
+    offsets, sizes = box
+    return Box((offsets[0] + rows.start, *offsets[1:]), (rows.stop - rows.start, *sizes[1:]))
 
 
 @dataclass(frozen=True)
@@ -258,13 +261,13 @@ def _direct_reads(sh: ShardedTensor, meta: ArrayMeta) -> list[_DirectRead] | Non
     Then each overlap is one read, and of a flattened request only the requested
     elements are read.
     """
-    box = chunk_shape(sh)
+    offsets, box = shard_box(sh)
     if not (meta.is_raw and meta.order == "C"):
         return None
     rng = sh.flattened_range
     want_lo, want_hi = (rng.start, rng.stop) if rng is not None else (0, math.prod(box))
     reads, covered = [], 0
-    for overlap in overlapping_chunks(meta, tuple(sh.global_offset), box):
+    for overlap in overlapping_chunks(meta, offsets, box):
         in_box = _contiguous_span(overlap.in_box, box)
         in_chunk = _contiguous_span(overlap.in_chunk, meta.chunks)
         if in_box is None or in_chunk is None:
