@@ -28,8 +28,8 @@ Modules: :mod:`.location` (URI -> filesystem, root, kind; key validation),
 CRCs: a CRC-32C per 1 MiB block, so ranged reads are checked too), :mod:`.edge` (error
 translation), :mod:`.listing`, :mod:`.reads`, :mod:`.admin`, :mod:`.checkpoint` (the
 facade), :mod:`.streams` (objects written front to back into local files),
-:mod:`.local_scatter` and :mod:`.scatter` (reads into many buffers from local files and
-by ranged GETs, checked in place), :mod:`.buffers` (pure byte helpers), :mod:`.types`.
+:mod:`.scatter` (reads into many buffers in merged runs of blocks, checked in place; filled
+by ranged GETs or from local files), :mod:`.buffers` (pure byte helpers), :mod:`.types`.
 """
 
 from __future__ import annotations
