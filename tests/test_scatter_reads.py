@@ -26,6 +26,7 @@ calls (cloudckpt/storage/pool.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -377,3 +378,15 @@ def test_each_block_is_checked_as_soon_as_it_is_read(tmp_path: Path) -> None:
         check.finish()
     with pytest.raises(CorruptObjectError, match=r"block 1 of 6"):
         _read(storage, _ranges())
+
+
+def test_a_large_object_without_block_crcs_is_checked_whole(tmp_path: Path) -> None:
+    """A version-1 manifest lists a large object with its CRC only: a whole read of it
+    on a local disk is checked against that CRC, as on an object store."""
+    _, data, result = _written(tmp_path)
+    unblocked = dataclasses.replace(result, blocks=None)
+    old = CheckpointStorage(str(tmp_path / "ckpt"), expected={"obj": unblocked})
+    assert bytes(_read(old, [(0, SIZE)])[0]) == data
+    _flip(tmp_path, 2 * MiB + 2)
+    with pytest.raises(CorruptObjectError, match="obj"):
+        _read(old, [(0, SIZE)])
