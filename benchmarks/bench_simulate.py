@@ -126,7 +126,8 @@ from cloudckpt.formats.dcp.steps import (
     global_step_columns,
     plans_in_columns,
 )
-from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter
+from cloudckpt.formats.dcp.storage import CloudStorageWriter
+from cloudckpt.formats.dcp.stored_items import METADATA_FNAME
 from cloudckpt.formats.zarr.layout import ZARRAY, shard_chunk_indices
 from cloudckpt.formats.zarr.save import ZarrFormat, _array_meta, _flat_table
 from cloudckpt.huge_pages import numpy_advises_huge_pages, without_huge_page_advice

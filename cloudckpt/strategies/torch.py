@@ -57,11 +57,8 @@ from cloudckpt.formats.dcp.save import (
     to_dcp_state_dict,
 )
 from cloudckpt.formats.dcp.steps import SavePlanCache
-from cloudckpt.formats.dcp.storage import (
-    METADATA_FNAME,
-    MCoreMetadata,
-    MCoreSavePlan,
-)
+from cloudckpt.formats.dcp.storage import MCoreMetadata, MCoreSavePlan
+from cloudckpt.formats.dcp.stored_items import METADATA_FNAME
 from cloudckpt.mapping import (
     ShardedObject,
     ShardedStateDict,

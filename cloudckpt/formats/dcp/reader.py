@@ -48,12 +48,12 @@ from cloudckpt.formats.dcp.ranges import (
     plan_reads,
     records_of,
 )
-from cloudckpt.formats.dcp.storage import (
+from cloudckpt.formats.dcp.storage import read_metadata
+from cloudckpt.formats.dcp.stored_items import (
     METADATA_FNAME,
     item_request,
     load_object_item,
     load_tensor_item,
-    read_metadata,
 )
 from cloudckpt.formats.geometry import (
     Box,

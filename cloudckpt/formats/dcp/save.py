@@ -42,10 +42,12 @@ from cloudckpt.formats.dcp.checkpointable import (
     is_nd_flattened,
 )
 from cloudckpt.formats.dcp.errors import save_failure
+from cloudckpt.formats.dcp.metadata_build import merge_metadata
 from cloudckpt.formats.dcp.plan import LinearGlobalPlanMixin
 from cloudckpt.formats.dcp.reader import ORIG_SHAPE_KEY
 from cloudckpt.formats.dcp.steps import PlannedSave, SavePlanCache, plan_save, save_state_dict
-from cloudckpt.formats.dcp.storage import METADATA_FNAME, CloudStorageWriter, merge_metadata
+from cloudckpt.formats.dcp.storage import CloudStorageWriter
+from cloudckpt.formats.dcp.stored_items import METADATA_FNAME
 from cloudckpt.formats.host_copies import HOST_COPIES
 from cloudckpt.formats.protocol import FormatTraits, Written
 from cloudckpt.manifest import TensorEntry

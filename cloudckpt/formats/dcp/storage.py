@@ -31,8 +31,7 @@ the checkpoint becomes visible only with cloudckpt's commit, which follows.
 
 The parts: :mod:`.metadata_build` builds the global ``Metadata`` from the write results,
 :mod:`.stored_items` locates and decodes one stored item; this module holds the writer,
-Megatron-Core's metadata classes and :func:`read_metadata`, and re-exports what the
-strategies and :mod:`.reader` use of the others.
+Megatron-Core's metadata classes and :func:`read_metadata`.
 """
 
 from __future__ import annotations
@@ -72,9 +71,6 @@ from cloudckpt.formats.dcp.columns import (
 from cloudckpt.formats.dcp.extra import PickledExtra, merge_extras
 from cloudckpt.formats.dcp.item_templates import ItemTemplates
 from cloudckpt.formats.dcp.metadata_build import _share_sizes, _storage_data
-from cloudckpt.formats.dcp.metadata_build import (  # re-exported: strategies.torch, dcp.save
-    merge_metadata as merge_metadata,  # noqa: PLC0414
-)
 from cloudckpt.formats.dcp.metadata_pickle import dumps_metadata_columns
 from cloudckpt.formats.dcp.metadata_pickle_dict import dumps_metadata
 from cloudckpt.formats.dcp.objects import (
@@ -86,18 +82,7 @@ from cloudckpt.formats.dcp.objects import (
     without_zip_crc32,
 )
 from cloudckpt.formats.dcp.ranges import TENSOR_DATA_KEY
-from cloudckpt.formats.dcp.stored_items import (  # re-exported: strategies, dcp.reader, dcp.save
-    METADATA_FNAME as METADATA_FNAME,  # noqa: PLC0414
-)
-from cloudckpt.formats.dcp.stored_items import (  # re-exported: dcp.reader
-    item_request as item_request,  # noqa: PLC0414
-)
-from cloudckpt.formats.dcp.stored_items import (  # re-exported: dcp.reader
-    load_object_item as load_object_item,  # noqa: PLC0414
-)
-from cloudckpt.formats.dcp.stored_items import (  # re-exported: dcp.reader
-    load_tensor_item as load_tensor_item,  # noqa: PLC0414
-)
+from cloudckpt.formats.dcp.stored_items import METADATA_FNAME
 from cloudckpt.formats.dcp.unpickler import load_dcp_metadata
 from cloudckpt.storage import CheckpointStorage, WriteResult
 from cloudckpt.storage.blocks import BLOCK_SIZE
