@@ -250,8 +250,15 @@ def pool4() -> Iterator[RankPool]:
         yield pool
 
 
+@pytest.fixture(scope="module")
+def pools() -> Iterator[dict[int, RankPool]]:
+    """The loading jobs' ranks: 2 and 1 (started once for the module)."""
+    with RankPool(2, timeout_s=180) as two, RankPool(1, timeout_s=180) as one:
+        yield {2: two, 1: one}
+
+
 def test_fsdp2_save_at_4_ranks_loads_at_2_and_1_bit_for_bit(
-    pool4: RankPool, run_location: StoreLocation
+    pool4: RankPool, pools: dict[int, RankPool], run_location: StoreLocation
 ) -> None:
     run, options = run_location
     uri = f"{run}/step-{STEPS}"
@@ -260,8 +267,7 @@ def test_fsdp2_save_at_4_ranks_loads_at_2_and_1_bit_for_bit(
     assert all(_same(out["full"], reference) for out in saved)  # one state on every rank
     assert any(k.endswith("exp_avg_sq") for k in reference)  # AdamW's state is in it
     for world in (2, 1):
-        with RankPool(world, timeout_s=180) as pool:
-            loaded = pool.run(_load_rank, uri, options)
+        loaded = pools[world].run(_load_rank, uri, options)
         for out in loaded:
             assert out["step"] == STEPS
             assert _same(out["full"], reference), world
@@ -275,13 +281,12 @@ def test_fsdp2_save_at_4_ranks_loads_at_2_and_1_bit_for_bit(
 
 @pytest.mark.parametrize("how", ["async", "async-staged"])
 def test_async_save_holds_the_state_as_it_was_when_it_returned(
-    pool4: RankPool, s3_run: StoreLocation, how: str
+    pool4: RankPool, pools: dict[int, RankPool], s3_run: StoreLocation, how: str
 ) -> None:
     run, options = s3_run
     uri = f"{run}/step-{STEPS}"
     saved = pool4.run(_save_rank, uri, options, how)
-    with RankPool(2, timeout_s=180) as pool:
-        loaded = pool.run(_load_rank, uri, options)
+    loaded = pools[2].run(_load_rank, uri, options)
     for out in loaded:
         assert _same(out["full"], saved[0]["full"])
     assert cloudckpt.verify(uri, storage_options=options).ok
@@ -307,15 +312,14 @@ def test_a_rank_failing_mid_save_fails_every_rank_and_commits_nothing(
 
 
 def test_a_torchtitan_style_loop_resumes_from_latest(
-    pool4: RankPool, s3_run: StoreLocation
+    pool4: RankPool, pools: dict[int, RankPool], s3_run: StoreLocation
 ) -> None:
     """Steps 1-5 saving every 2 and dying after 5; a new job resumes from step 4 and
     runs to 8: it ends with the state of a job that ran 1-8 without stopping."""
     run, options = s3_run
     first = pool4.run(_loop_rank, run, options, 8, 2, 5)
     assert [out["resumed_from"] for out in first] == [None] * 4
-    with RankPool(2, timeout_s=180) as pool:  # the new job on fewer ranks
-        second = pool.run(_loop_rank, run, options, 8, 2, None)
+    second = pools[2].run(_loop_rank, run, options, 8, 2, None)  # the new job: fewer ranks
     assert [(out["resumed_from"], out["start"]) for out in second] == [(f"{run}/step-4", 4)] * 2
     straight = pool4.run(_loop_rank, f"{run}-straight", options, 8, 100, None)
     assert _same(second[0]["full"], straight[0]["full"])

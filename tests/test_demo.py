@@ -15,7 +15,7 @@ import yaml
 
 from cloudckpt.demo.report import cli_command, next_step_lines
 from cloudckpt.storage import CheckpointStorage
-from tests.fixtures_object_stores import GCSEndpoint, S3Endpoint
+from tests.fixtures_object_stores import S3_CASES, GCSEndpoint, S3Endpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,9 +202,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("s3_server", S3_CASES[-1:], indirect=True)  # one server: 25 s a run
 def test_demo_on_s3_configured_by_the_environment(s3_server: S3Endpoint, s3_bucket) -> None:
-    """`cloudckpt demo --uri s3://bucket/prefix`, 4 ranks, against the S3 API (moto, or
-    the endpoint of CLOUDCKPT_TEST_S3_ENDPOINT): the endpoint and keys come only from
+    """`cloudckpt demo --uri s3://bucket/prefix`, 4 ranks, against the S3 API (SeaweedFS,
+    or the endpoint of CLOUDCKPT_TEST_S3_ENDPOINT): the endpoint and keys come only from
     the standard AWS variables, as on a Kubernetes pod."""
     bucket_uri, _ = s3_bucket
     uri = f"{bucket_uri}/demo-run/iter_0000010"

@@ -61,9 +61,9 @@ def _objects(uri: str, options: dict[str, object]) -> dict[str, bytes]:
     return {path: store.read(path) for path in store.list() if path not in RUN_SPECIFIC}
 
 
-# One S3 server (SeaweedFS, or CLOUDCKPT_TEST_S3_ENDPOINT's): three 2-rank runs take
-# about 50 s on two cores (twice that on moto); the storage layer is tested against
-# every server elsewhere.
+# One S3 server (SeaweedFS, a real store, or CLOUDCKPT_TEST_S3_ENDPOINT's): three 2-rank
+# runs take 50 s on two cores alone, 100 s beside the rest of the suite; the storage
+# layer is tested against every server elsewhere.
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("s3_server", S3_CASES[-1:], indirect=True)
 def test_killed_job_resumes_from_latest_bit_identical(
