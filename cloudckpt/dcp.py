@@ -120,7 +120,8 @@ class CloudStorageWriter(_ItemWriter):
     ) -> None:
         self._options = storage_options
         self._config = config
-        storage = open_checkpoint(checkpoint_uri(uri), None, storage_options, config=config)
+        self._uri = checkpoint_uri(uri)
+        storage = open_checkpoint(self._uri, None, storage_options, config=config)
         fmt, settings = DcpFormat(DEFAULT_OBJECT_SIZE), storage.config
         super().__init__(storage, fmt.chunk_size(settings), fmt.batch_bytes(settings))
         self._claimed: WriteResult | None = None
@@ -129,10 +130,9 @@ class CloudStorageWriter(_ItemWriter):
         """A new save (DCP calls it first); to ``checkpoint_id`` when it names one."""
         super().reset(checkpoint_id)
         self._claimed = None
-        if checkpoint_id is not None and checkpoint_uri(checkpoint_id) != self.storage.uri:
-            self.storage = open_checkpoint(
-                checkpoint_uri(checkpoint_id), None, self._options, config=self._config
-            )
+        if checkpoint_id is not None and checkpoint_uri(checkpoint_id) != self._uri:
+            self._uri = checkpoint_uri(checkpoint_id)
+            self.storage = open_checkpoint(self._uri, None, self._options, config=self._config)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The coordinator's: claim the URI (create-only), refusing one that holds
@@ -184,13 +184,11 @@ class CloudStorageWriter(_ItemWriter):
         """For DCP's process-based async executor: the storage is opened again there."""
         state = dict(self.__dict__)
         state["storage"] = None
-        state["_uri"] = self.storage.uri
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        uri = state.pop("_uri")
         self.__dict__.update(state)
-        self.storage = open_checkpoint(uri, None, self._options, config=self._config)
+        self.storage = open_checkpoint(self._uri, None, self._options, config=self._config)
 
 
 class CloudStorageReader(StorageReader):
@@ -221,15 +219,15 @@ class CloudStorageReader(StorageReader):
         self._options = storage_options
         self._config = config
         self._verify = verify_checksums
-        self.storage = open_checkpoint(checkpoint_uri(uri), None, storage_options, config=config)
+        self._uri = checkpoint_uri(uri)
+        self.storage = open_checkpoint(self._uri, None, storage_options, config=config)
         self.metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.metadata = None
-        if checkpoint_id is not None and checkpoint_uri(checkpoint_id) != self.storage.uri:
-            self.storage = open_checkpoint(
-                checkpoint_uri(checkpoint_id), None, self._options, config=self._config
-            )
+        if checkpoint_id is not None and checkpoint_uri(checkpoint_id) != self._uri:
+            self._uri = checkpoint_uri(checkpoint_id)
+            self.storage = open_checkpoint(self._uri, None, self._options, config=self._config)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata`` (restricted unpickling), after the commit objects: a committed
@@ -295,6 +293,14 @@ class CloudStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable as the writer is: the storage is opened again where it lands."""
+        return {**self.__dict__, "storage": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.storage = open_checkpoint(self._uri, None, self._options, config=self._config)
 
 
 @dataclass(frozen=True)

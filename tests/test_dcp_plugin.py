@@ -494,3 +494,20 @@ def test_a_region_of_a_chunk_reads_only_its_bytes(tmp_path: Any) -> None:
     read = reader.storage.transport.counters.snapshot() - before
     assert into.committed == 1 and torch.equal(into.target, w[100:110])
     assert read.bytes_read <= 2 * 1024 * 1024, read  # at most two 1 MiB blocks of 4 MiB
+
+
+def test_checkpoint_id_names_the_save_and_the_writer_pickles(tmp_path: Any) -> None:
+    """``dcp.save(checkpoint_id=...)`` saves there (DCP's reset); a writer that went
+    through pickle (DCP's process-based async executor) opens its storage again."""
+    import pickle  # noqa: PLC0415
+
+    first, other = str(tmp_path / "first"), str(tmp_path / "other")
+    writer = CloudStorageWriter(first)
+    dcp.save(_plain_state(9), checkpoint_id=other, storage_writer=writer)
+    assert cloudckpt.verify(other).ok and not os.path.exists(first)
+    copied = pickle.loads(pickle.dumps(CloudStorageWriter(first)))
+    dcp.save(_plain_state(9), storage_writer=copied)
+    out = _zeros(_plain_state(9))
+    dcp.load(out, storage_reader=pickle.loads(pickle.dumps(CloudStorageReader(first))))
+    _assert_loaded(out, _plain_state(9))
+    assert cloudckpt.verify(first).ok
