@@ -123,6 +123,10 @@ def _full_disk_round(rank: int, world: int, root: str, backend: str) -> dict:
     )
     out["latest_after_failure"] = latest(root, collective=world > 1)
     out["failed_files"] = sorted(os.listdir(failed)) if os.path.isdir(failed) else []
+    if world > 1:  # every rank has listed it before gc removes it (its tombstone included)
+        from cloudckpt import dist  # noqa: PLC0415 - torch.distributed only here
+
+        dist.all_gather_object(rank)
     if rank == 0:
         out["gc_removed"] = [a.uri for a in collect_garbage(root, 1, grace_s=0).actions]
     if world > 1:
