@@ -60,7 +60,6 @@ from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
 )
-from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.checkpoint.storage import WriteResult as DcpWriteResult
 from torch.futures import Future
 
@@ -73,6 +72,7 @@ from cloudckpt.formats.dcp.ranges import Piece, RegionPlan, assemble, plan_reads
 from cloudckpt.formats.dcp.save import DcpFormat
 from cloudckpt.formats.dcp.storage import DEFAULT_OBJECT_SIZE, read_metadata
 from cloudckpt.formats.dcp.storage import CloudStorageWriter as _ItemWriter
+from cloudckpt.formats.dcp.storage_reader import CloudStorageReader as _ItemReader
 from cloudckpt.formats.dcp.stored_items import METADATA_FNAME, item_request, load_tensor_item
 from cloudckpt.formats.geometry import Box
 from cloudckpt.formats.tensor_bytes import tensor_bytes
@@ -191,7 +191,7 @@ class CloudStorageWriter(_ItemWriter):
         self.storage = open_checkpoint(self._uri, None, self._options, config=self._config)
 
 
-class CloudStorageReader(StorageReader):
+class CloudStorageReader(_ItemReader):
     """DCP storage reader of a checkpoint at ``uri``, its reads checked against the
     manifest's CRC-32Cs (see the module docstring).
 
@@ -215,13 +215,11 @@ class CloudStorageReader(StorageReader):
         config: CheckpointConfig | None = None,
         verify_checksums: bool = False,
     ) -> None:
-        super().__init__()
         self._options = storage_options
         self._config = config
         self._verify = verify_checksums
         self._uri = checkpoint_uri(uri)
-        self.storage = open_checkpoint(self._uri, None, storage_options, config=config)
-        self.metadata: Metadata | None = None
+        super().__init__(open_checkpoint(self._uri, None, storage_options, config=config))
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.metadata = None
@@ -238,17 +236,6 @@ class CloudStorageReader(StorageReader):
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         return metadata
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        self.metadata = metadata
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read the plan's items in checked ranged reads: a whole recorded chunk's
@@ -285,14 +272,6 @@ class CloudStorageReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.storage.uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable as the writer is: the storage is opened again where it lands."""
