@@ -8,7 +8,7 @@
 Runs in the ``mcore-0.15-dropin`` or ``mcore-0.19`` environment (Megatron-Core plus
 cloudckpt's runtime dependencies; cloudckpt itself comes from the repository on
 ``PYTHONPATH``). Each rank
-installs the import hook of :mod:`dropin` first, so every ``megatron.core.
+installs :func:`cloudckpt.megatron.install` first, so every ``megatron.core.
 dist_checkpointing`` import - Megatron-Core's own, in ``megatron.core`` and in the model
 code, and this script's - gets cloudckpt. Then, on gloo CPU ranks:
 
@@ -55,18 +55,18 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import dropin  # after the path set-up: a script in a foreign venv
 import harness
 import spec
 import torch
+
+import cloudckpt.megatron
 
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 64, 16, 32, 4, 2
 SEED = 1234
 
 
 def _hook() -> Any:
-    if not any(isinstance(f, dropin.DropInFinder) for f in sys.meta_path):
-        dropin.install()
+    cloudckpt.megatron.install()  # a no-op when installed
 
 
 def _init_megatron(tp: int) -> Any:
