@@ -227,7 +227,7 @@ def _shallow(
     listing = storage.list_sizes()
     state = CommitState.from_names(listing)  # from the listing: no request per commit file
     if state.absent:  # nothing, or other data: not a damaged checkpoint, none at all
-        raise no_checkpoint_error(storage.uri, len(listing))
+        raise no_checkpoint_error(storage, len(listing))
     uploads = storage.open_uploads()
     backends, problems = _read_backends(storage, state)
     manifest, manifest_problems = _read_manifest(storage, state)

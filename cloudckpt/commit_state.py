@@ -120,10 +120,17 @@ def _read_if_exists(storage: CheckpointStorage, relpath: str) -> bytes | None:
         return None
 
 
-def no_checkpoint_error(uri: str, objects: int) -> CheckpointNotFoundError:
+def no_checkpoint_error(storage: CheckpointStorage, objects: int) -> CheckpointNotFoundError:
     """Megatron-Core's ``Checkpoint directory URI does not exist`` (nothing there) or
-    ``URI is not a distributed checkpoint`` (``objects`` objects, no commit record), with
-    cloudckpt's ``no checkpoint at URI: ...`` appended; ``uri`` redacted."""
+    ``URI is not a distributed checkpoint`` (``objects`` objects but no commit record,
+    or an empty directory on a local disk), with cloudckpt's ``no checkpoint at URI:
+    ...`` appended; the URI redacted."""
+    uri = storage.uri
+    if not objects and storage.root_is_directory():
+        return CheckpointNotFoundError(
+            f"{uri} is not a distributed checkpoint "
+            f"(no checkpoint at {uri!r}: the directory is empty)"
+        )
     if not objects:
         return CheckpointNotFoundError(
             f"Checkpoint directory {uri} does not exist "
@@ -142,7 +149,7 @@ def _not_committed_error(
     """Why a checkpoint in ``state`` cannot be loaded: none there, or not committed
     (Megatron-Core's ``URI is not a distributed checkpoint``, with the details)."""
     if state.absent:
-        return no_checkpoint_error(storage.uri, len(storage.list()))
+        return no_checkpoint_error(storage, len(storage.list()))
     return UncommittedCheckpointError(
         f"{storage.uri} is not a distributed checkpoint: checkpoint {storage.uri!r} is not "
         f"committed: {' and '.join(state.missing())} "

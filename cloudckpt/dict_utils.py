@@ -102,15 +102,17 @@ def extract_matching_values(
 
 
 def _leaves_differ(x1: Any, x2: Any) -> bool:
-    """True when two leaves are not equal (tensors: same shape, dtype and values)."""
+    """True when two leaves are not equal (tensors: as Megatron-Core, unless every element
+    compares equal with ``==``, after its type promotion and broadcasting)."""
     if isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
         if not (isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor)):
             return True
-        if x1.dtype != x2.dtype:
-            return True
         if x1.device != x2.device:
             x1, x2 = x1.cpu(), x2.cpu()
-        return not torch.equal(x1, x2)
+        try:
+            return not bool(torch.all(x1 == x2))
+        except (RuntimeError, TypeError, ValueError):  # shapes that do not broadcast
+            return True
     if isinstance(x1, np.ndarray) or isinstance(x2, np.ndarray):
         return not (type(x1) is type(x2) and np.array_equal(x1, x2))
     try:
@@ -125,8 +127,9 @@ def diff(
     """Compare two nested structures recursively.
 
     Dicts are compared by key, lists and tuples element by element (extra trailing
-    elements count as present on one side only). Tensors are equal when
-    :func:`torch.equal` holds and their dtypes agree (compared on CPU when devices
+    elements count as present on one side only). Tensors are equal, as in Megatron-Core,
+    when every element compares equal with ``==`` (so ``arange(4)`` equals its float
+    copy, and a tensor equals one it broadcasts to; compared on CPU when devices
     differ). Objects with both ``replica_id`` and ``data`` attributes (sharded tensors
     and objects) are compared through their ``data``.
 

@@ -82,13 +82,31 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _receive_target(shard_id: _ShardId, needed: Mapping[_ShardId, ShardedTensor]) -> torch.Tensor:
-    """The tensor a needed shard is received into (the requested tensor's own data)."""
-    sh_ten = needed[shard_id]
+def _get_empty_tensor_for_exchange(
+    shard_id: _ShardId,
+    needed_shards: Mapping[_ShardId, ShardedTensor],
+    unneeded_shards: Mapping[_ShardId, ShardedTensor],
+    loaded_tensors: dict[_ShardId, torch.Tensor],
+) -> tuple[torch.Tensor, torch.device | None]:
+    """The tensor a shard is received into, and the device of the requested tensor
+    (None when this rank does not need the shard), as Megatron-Core's.
+
+    A needed shard is received into the requested tensor's own data (allocated on the
+    CPU when it has none), which is recorded in ``loaded_tensors``; an unneeded one into
+    an empty tensor of its shape and dtype (discarded after the exchange; where the
+    shard has data, on that data's device). Megatron-Core allocates CUDA tensors here;
+    cloudckpt receives on the requested tensor's device and copies there when the
+    collective's device differs (:func:`_direct_target`)."""
+    sh_ten = needed_shards.get(shard_id)
+    if sh_ten is None:
+        other = unneeded_shards[shard_id]
+        device = other.data.device if other.data is not None else torch.device("cpu")
+        return torch.empty(_shard_shape(other), dtype=other.dtype, device=device), None
     if sh_ten.data is None:
         sh_ten.init_data(device="cpu")
     assert sh_ten.data is not None
-    return sh_ten.data
+    loaded_tensors[shard_id] = sh_ten.data
+    return sh_ten.data, sh_ten.data.device
 
 
 def _fill(target: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
@@ -277,7 +295,7 @@ def _gather_round(
     dist.await_collective("exchanging loaded shards (all_gather round)", work, group)
     for rank, shard_id in enumerate(round_ids):
         if shard_id is not None and rank != local_rank and shard_id in needed:
-            target = _receive_target(shard_id, needed)
+            target = _get_empty_tensor_for_exchange(shard_id, needed, {}, {})[0]
             result[shard_id] = _fill(target, buffers[rank].to(target.device))
 
 
@@ -440,7 +458,7 @@ def _direct_target(
     if len(bucket) != 1 or bucket[0][0] not in needed:
         return None
     shard_id, size = bucket[0]
-    target = _receive_target(shard_id, needed)
+    target = _get_empty_tensor_for_exchange(shard_id, needed, {}, {})[0]
     fits = (
         target.is_contiguous()
         and target.device == device
@@ -460,7 +478,7 @@ def _scatter_bucket(
     offset = 0
     for shard_id, size in bucket:
         if shard_id in needed:
-            target = _receive_target(shard_id, needed)
+            target = _get_empty_tensor_for_exchange(shard_id, needed, {}, {})[0]
             piece = payload[offset : offset + size]
             result[shard_id] = _fill(target, piece.to(target.device))
         offset += size

@@ -74,7 +74,7 @@ def remove(
     """
     listing = storage.list()
     if not any(name in listing for name in COMMIT_FILES):  # nothing removed
-        raise no_checkpoint_error(storage.uri, len(listing))
+        raise no_checkpoint_error(storage, len(listing))
     if committed is None:
         committed = CONFIG_FNAME in listing or MANIFEST_FNAME in listing
     _take_slot(storage, Tombstone.new(), committed)

@@ -126,22 +126,22 @@ def _travelling(error: BaseException | None) -> BaseException | None:
 
 def warn_if_common_differs(reference: StateDict, mine: StateDict, shown: str) -> None:
     """Log at WARNING where this rank's common state (after the caller's preprocessing,
-    which must not modify it) differs from rank 0's, as Megatron-Core does (only rank
-    0's is saved)."""
+    which must not modify it) differs from rank 0's, in Megatron-Core's words (each
+    mismatch as ``(key path, rank 0's type, this rank's type)``), then which checkpoint
+    keeps rank 0's."""
     rank = dist.get_rank()
     only_rank0, only_here, mismatch = diff(reference, mine)
     if only_rank0 or only_here or mismatch:
         logger.warning(
             "Rank %d common state dict differs from rank 0 common state dict. "
-            "Keys only on rank 0: %s, Keys only on %d: %s, Mismatched keys: %s "
-            "(checkpoint %s; only rank 0's common state is saved)",
+            "Keys only on rank 0: %s, Keys only on %d: %s, Mismatched keys: %s",
             rank,
             only_rank0,
             rank,
             only_here,
-            [m[0] for m in mismatch],
-            shown,
+            mismatch,
         )
+        logger.warning("Only rank 0's common state is saved in %s", shown)
 
 
 def serialize_common(saver: CommonSaver, common: StateDict, uri: str) -> bytes | None:

@@ -454,6 +454,8 @@ def _flat_coverage_violations(
     key: str, grid: tuple[int, ...], numel: int, cells: dict[tuple[int, ...], list[RankShard]]
 ) -> list[str]:
     out = _uncovered_chunks(key, grid, cells)
+    # with Megatron-Core's words for it
+    gap = " (Flattened ranges dont cover the whole shard ShardedTensor(key={!r}) of size {})"
     for index, pieces in sorted(cells.items()):
         spans = sorted(
             (sh.flattened_range.start, sh.flattened_range.stop, r)  # type: ignore[attr-defined]
@@ -464,6 +466,7 @@ def _flat_coverage_violations(
             if start > position:
                 out.append(
                     f"tensor {key!r}: chunk {index} elements [{position}, {start}) are not saved"
+                    + gap.format(key, numel)
                 )
             elif start < position:
                 out.append(
@@ -475,6 +478,7 @@ def _flat_coverage_violations(
         if position < numel:
             out.append(
                 f"tensor {key!r}: chunk {index} elements [{position}, {numel}) are not saved"
+                + gap.format(key, numel)
             )
     return out
 

@@ -114,8 +114,8 @@ def test_diff_lists_of_different_length_use_index_paths() -> None:
 @pytest.mark.parametrize(
     ("left", "right"),
     [
-        (torch.zeros(2), torch.zeros(3)),  # shape
-        (torch.zeros(2), torch.zeros(2, dtype=torch.float64)),  # dtype
+        (torch.zeros(2), torch.zeros(3)),  # shapes that do not broadcast
+        (torch.zeros(2), torch.tensor([0.0, 0.5], dtype=torch.float64)),  # values
         (torch.zeros(2), [0.0, 0.0]),  # tensor vs list
         (torch.zeros(2), 0.0),  # tensor vs scalar
         (np.zeros(2), np.ones(2)),
@@ -125,6 +125,15 @@ def test_diff_lists_of_different_length_use_index_paths() -> None:
 )
 def test_diff_detects_leaf_mismatches(left: Any, right: Any) -> None:
     assert diff({"k": left}, {"k": right})[2][0][0] == ("k",)
+
+
+def test_diff_compares_tensor_values_as_megatron_does() -> None:
+    """Megatron-Core's ``diff`` compares values with ``==``: dtype and broadcasting aside
+    (its own tests load an int64 checkpoint into float32 tensors and diff them)."""
+    same = {"i": torch.arange(4), "b": torch.ones(1)}
+    other = {"i": torch.arange(4.0), "b": torch.ones(3)}
+    assert diff(same, other) == ([], [], [])
+    assert diff({"k": torch.arange(4)}, {"k": torch.arange(4).reshape(2, 2)})[2]
 
 
 def test_diff_compares_sharded_like_objects_by_data() -> None:

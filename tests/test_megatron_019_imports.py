@@ -33,7 +33,6 @@ TRAINING_GAPS = {
     (f"{PREFIX}.gpt_checkpoint_interop", "retarget_fsdp_state_dict_to_gpt_checkpoint"),
     (f"{PREFIX}.gpt_checkpoint_interop", "retarget_sharded_state_dict_to_gpt_checkpoint"),
     (f"{PREFIX}.strategies.async_utils", "_set_process_qos"),
-    (f"{PREFIX}.strategies.filesystem_async", "_results_queue"),
     (f"{PREFIX}.strategies.nvrx", "has_nvrx_async_support"),
     (f"{PREFIX}.strategies.nvrx", "make_nvrx_async_request"),
     (f"{PREFIX}.strategies.torch", "get_async_strategy"),

@@ -24,6 +24,7 @@ import torch
 
 import cloudckpt
 from cloudckpt import ShardedObject, ShardedTensor, serialization
+from cloudckpt.checker import verify
 from cloudckpt.errors import (
     CheckpointingException,
     CheckpointNotFoundError,
@@ -152,7 +153,12 @@ def test_common_state_consistency_check_and_its_preprocessing(rank_pool, tmp_pat
             assert out["plain"] == ""
         else:
             assert f"Rank {rank} common state dict differs from rank 0" in out["plain"]
-            assert "Mismatched keys: [('rank',)]" in out["plain"]
+            # Megatron-Core's exact words (its own test compares the whole message)
+            assert (
+                f"Rank {rank} common state dict differs from rank 0 common state dict. "
+                f"Keys only on rank 0: [], Keys only on {rank}: [], "
+                "Mismatched keys: [(('rank',), <class 'int'>, <class 'int'>)]"
+            ) in out["plain"].splitlines()
         assert out["pre"] == "" and out["novalidate"] == ""
         assert out["saved_rank"] == 0
 
@@ -255,6 +261,15 @@ def test_messages_keep_megatrons_wording(tmp_path):
         cloudckpt.load({}, str(gone))
     assert str(info.value).startswith(f"Checkpoint directory {gone} does not exist")
     assert f"no checkpoint at '{gone}'" in str(info.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()  # a directory that exists (local disks): Megatron-Core's second message
+    for call in (lambda: cloudckpt.load({}, str(empty)), lambda: verify(str(empty))):
+        with pytest.raises(CheckpointNotFoundError) as info:
+            call()
+        assert str(info.value) == (
+            f"{empty} is not a distributed checkpoint "
+            f"(no checkpoint at '{empty}': the directory is empty)"
+        )
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("x")

@@ -282,7 +282,11 @@ def test_four_ranks_tp2_dp2_flattened_local(rank_pool, tmp_path):
     files = os.listdir(uri)
     assert ".metadata" in files and sum(f.endswith(".distcp") for f in files) >= 4
     plain = cloudckpt.load_plain_tensors(uri)
-    assert torch.equal(plain["exp_avg"], reference("exp_avg", (12, 5)))
+    # saved N-D flattened: listed and loaded as one flat range (as Megatron-Core)
+    assert torch.equal(plain["exp_avg"], reference("exp_avg", (12, 5)).flatten())
+    listed = cloudckpt.load_tensors_metadata(uri)["exp_avg"]
+    assert (listed.global_shape, listed.flattened_range) == ((12, 5), slice(0, 60))
+    assert listed.data is None
 
 
 def test_four_ranks_tp2_dp2_flattened_s3(rank_pool, s3_bucket):

@@ -48,6 +48,14 @@ class StorageAdmin(StorageHandle):
         were all deleted may still be listed here; it holds no object (:meth:`list`)."""
         return listing.list_children(self.transport)
 
+    def root_is_directory(self) -> bool:
+        """True when the root is an existing directory (local disks: one may exist
+        empty; object stores have no directories)."""
+        try:
+            return self.transport.is_directory(self.root)
+        except io_errors() as exc:
+            raise translate(exc, f"failed to stat {self.uri}: {exc}") from exc
+
     def is_empty(self) -> bool:
         """True when no object exists below the root."""
         return not self.list()

@@ -228,6 +228,11 @@ class Transport:
         """Whether the object ``path`` exists (a prefix or directory is not one)."""
         return bool(self._metadata_call(self.fs.isfile, path))
 
+    def is_directory(self, path: str) -> bool:
+        """Whether ``path`` is a directory that exists without objects in it: on object
+        stores, which keep no empty directories, never."""
+        return False
+
     def size(self, path: str) -> int:
         """The size of the object ``path`` (``FileNotFoundError`` without one)."""
         return int(self._metadata_call(self.fs.size, path))
@@ -304,6 +309,9 @@ class LocalTransport(Transport):
 
     def read_ranges(self, nbytes: int) -> list[tuple[int, int]]:
         return [(0, nbytes)]
+
+    def is_directory(self, path: str) -> bool:
+        return bool(self._metadata_call(self.fs.isdir, path))
 
 
 class GcsTransport(Transport):

@@ -55,6 +55,12 @@ FILESYSTEM_WRITER_OPTIONS = frozenset(
     }
 )
 
+#: Megatron-Core's queue through which its forked writer processes report their results
+#: (created by the first multiprocess write). cloudckpt uploads from threads of the
+#: training process and hands their results to the async request, so no such queue ever
+#: exists: None, the value Megatron-Core's training loop tests before shutting one down.
+_results_queue: Any = None
+
 #: The staged objects of one rank: ``[(object path, bytes)]``.
 WriteBuckets = list[tuple[str, memoryview]]
 

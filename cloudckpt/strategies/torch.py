@@ -294,15 +294,22 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
     def tensors_metadata_from(
         self, storage: CheckpointStorage, checkpoint: DcpCheckpoint | None = None
     ) -> ShardedStateDict:
-        """``{key: ShardedTensor}`` (meta-device data, one shard) for every stored tensor."""
+        """``{key: ShardedTensor}`` without data, one shard of the whole tensor, for every
+        stored tensor, as Megatron-Core's: a tensor saved N-D flattened is described as
+        one flat range over its whole original shape (loading it gives the flat tensor)."""
         checkpoint = checkpoint or self._checkpoint(storage)
         out: ShardedStateDict = {}
         for key in checkpoint.tensor_keys():
             dtype = checkpoint.tensor_metadata(key).properties.dtype
             shape = checkpoint.global_shape(key)
-            out[key] = ShardedTensor.from_rank_offsets(
-                key, torch.empty(shape, dtype=dtype, device="meta")
-            )
+            whole = torch.empty(shape, dtype=dtype, device="meta")
+            if checkpoint.orig_shape(key) is None:
+                sh = ShardedTensor.from_rank_offsets(key, whole)
+            else:
+                sh = ShardedTensor.from_rank_offsets_flat(
+                    key, whole.flatten(), whole.shape, flattened_range=slice(0, whole.numel())
+                )
+            out[key] = sh.without_data()
         return out
 
     def sharded_metadata_from(self, storage: CheckpointStorage) -> ShardedStateDict:

@@ -114,8 +114,8 @@ class CloudStorageWriter(StorageWriter):
             ``Metadata`` in :attr:`metadata` instead of writing ``.metadata``
             (:func:`merge_metadata` then combines the parts).
         separation_hint: items whose key starts with it go to objects of their own,
-            after the other items (Megatron-Core's ``separation_hint``: e.g. the
-            optimizer state apart from the model weights).
+            after the other items, named ``<hint>__<rank>_<i>.distcp`` (Megatron-Core's
+            ``separation_hint``: e.g. the optimizer state apart from the model weights).
     """
 
     keeps_plan_items: ClassVar[bool] = True
@@ -292,7 +292,9 @@ class CloudStorageWriter(StorageWriter):
             group = separated
             if obj is None:
                 capacity = max(estimate, min(self.object_size, estimate + remaining))
-                obj = open_object(self._object_path(f"{prefix}{count}{DATA_SUFFIX}"), capacity)
+                # separated objects' names start with the hint, as Megatron-Core's files
+                name = f"{hint if separated else ''}{prefix}{count}{DATA_SUFFIX}"
+                obj = open_object(self._object_path(name), capacity)
                 count += 1
             info = obj.append(data, templates)
             results.append(DcpWriteResult(item.index, info.length, info))
