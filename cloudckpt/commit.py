@@ -323,7 +323,7 @@ def _write_commit(
             f"checkpoint {uri!r} was removed while it was being committed (its "
             f"{MANIFEST_FNAME} was replaced by a removal's); not committed"
         )
-    logger.info(
+    logger.debug(  # DEBUG, as Megatron-Core's save: its training loop logs its own lines
         "committed %s: %d objects, %.1f MB from %d ranks",
         uri,
         len(manifest.objects),

@@ -415,7 +415,7 @@ class AsyncCallsQueue:
                     f"finalization of async checkpoint call {call.idx} failed: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-        logger.info(
+        logger.debug(
             "finalized async checkpoint call %s (%.2f s after scheduling)",
             call.idx,
             time.monotonic() - call.started,
