@@ -343,3 +343,14 @@ def test_check_compatibility_names_uri_stored_format_and_strategy(
     assert f"backend {backend!r} version {version}" in message
     assert "_Load" in message and reason in message
     assert isinstance(info.value.__cause__, IncompatibleCheckpointError)
+
+
+def test_a_load_strategy_need_not_remove_tensors() -> None:
+    """As Megatron-Core: remove_sharded_tensors is not abstract (its own tests define load
+    strategies without it); calling the default raises NotImplementedError."""
+
+    class LoadOnly(_Load):
+        remove_sharded_tensors = LoadShardedStrategy.remove_sharded_tensors
+
+    with pytest.raises(NotImplementedError, match="LoadOnly cannot remove tensors from 'x'"):
+        LoadOnly().remove_sharded_tensors("x", "prefix")

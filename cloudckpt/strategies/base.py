@@ -257,9 +257,18 @@ class LoadShardedStrategy(LoadStrategyBase):
         global shape and dtype only (no data, no sharding).
         """
 
-    @abstractmethod
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
-        """Delete from the checkpoint every tensor whose key starts with ``key_prefix``."""
+        """Delete from the checkpoint every tensor whose key starts with ``key_prefix``.
+
+        Not abstract, as in Megatron-Core: a strategy that cannot remove tensors (a
+        load-only one written for Megatron) need not define it.
+
+        Raises:
+            NotImplementedError: the strategy does not override it.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot remove tensors from {checkpoint_dir!r}"
+        )
 
     def load_sharded_metadata(self, checkpoint_dir: str) -> ShardedStateDict:
         """Describe the stored tensors and objects, keyed by sharded key.
