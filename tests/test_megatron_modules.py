@@ -1023,3 +1023,18 @@ def test_megatron_core_015_imports_with_cloudckpt_in_place(
         env=env,
     )
     assert proc.stdout.strip().splitlines()[-1:] == ["IMPORTED 0.15.3"], proc.stderr[-4000:]
+
+
+def test_get_empty_tensor_for_exchange_as_megatron() -> None:
+    """A needed shard is received into its own data (recorded as loaded); an unneeded
+    one into a fresh empty tensor of its shape and dtype, with no original device."""
+    from cloudckpt.exchange_utils import _get_empty_tensor_for_exchange  # noqa: PLC0415
+
+    needed = ShardedTensor.from_rank_offsets("a", torch.zeros(3))
+    other = ShardedTensor.from_rank_offsets("b", torch.zeros(2, 2, dtype=torch.float64))
+    loaded: dict[Any, torch.Tensor] = {}
+    got, device = _get_empty_tensor_for_exchange("a", {"a": needed}, {}, loaded)
+    assert got is needed.data and device == torch.device("cpu") and loaded["a"] is got
+    empty, none = _get_empty_tensor_for_exchange("b", {}, {"b": other.without_data()}, loaded)
+    assert none is None and empty.shape == (2, 2) and empty.dtype == torch.float64
+    assert set(loaded) == {"a"}

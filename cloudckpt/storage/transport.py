@@ -229,8 +229,8 @@ class Transport:
         return bool(self._metadata_call(self.fs.isfile, path))
 
     def is_directory(self, path: str) -> bool:
-        """Whether ``path`` is a directory that exists without objects in it: on object
-        stores, which keep no empty directories, never."""
+        """Whether ``path`` is an existing directory (local disks, where one may exist
+        empty); object stores keep no directories of their own: never."""
         return False
 
     def size(self, path: str) -> int:
