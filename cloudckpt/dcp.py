@@ -232,10 +232,14 @@ class CloudStorageReader(_ItemReader):
         checkpoint's reads are then checked against its manifest; an uncommitted one is
         refused; one without any (stock DCP's) is read unchecked."""
         self.storage = _checked(self.storage, self._verify)
-        metadata = read_metadata(self.storage)
+        metadata = self._metadata_of(self.storage)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         return metadata
+
+    def _metadata_of(self, storage: CheckpointStorage) -> Metadata:
+        """The checked checkpoint's ``.metadata`` (a subclass may cache it)."""
+        return read_metadata(storage)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read the plan's items in checked ranged reads: a whole recorded chunk's

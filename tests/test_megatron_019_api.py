@@ -365,3 +365,94 @@ def test_megatron_019_parameters_bind_by_name(
     theirs = _megatron_params(tree, qualname)
     ours = set(inspect.signature(CALLS[call]).parameters)
     assert theirs and set(theirs) <= ours, (sorted(set(theirs) - ours), theirs)
+
+
+def test_cached_metadata_is_shared_by_new_strategies_until_cleared(tmp_path: Path) -> None:
+    from cloudckpt.strategies.cached_metadata_filesystem_reader import (  # noqa: PLC0415
+        CachedMetadataFileSystemReader,
+    )
+
+    uri = str(tmp_path / "ckpt")
+    cloudckpt.save(_state(1.0), uri)
+    first = TorchDistLoadShardedStrategy(cache_metadata=True)
+    cloudckpt.load(_target(), uri, first)
+    second = TorchDistLoadShardedStrategy(cache_metadata=True)  # as the training loop
+    cloudckpt.load(_target(), uri, second)
+    assert second.cached_global_metadata is first.cached_global_metadata
+    reader = CachedMetadataFileSystemReader(uri)
+    assert reader.read_metadata() is first.cached_global_metadata
+    CachedMetadataFileSystemReader.clear_metadata_cache()
+    third = TorchDistLoadShardedStrategy(cache_metadata=True)
+    loaded = cloudckpt.load(_target(), uri, third)
+    assert third.cached_global_metadata is not first.cached_global_metadata
+    assert torch.equal(loaded["w"], torch.ones(4, 3))
+    assert CachedMetadataFileSystemReader(uri, cache_metadata=False).read_metadata() is not (
+        third.cached_global_metadata
+    )
+
+
+# -- the names megatron.training 0.19 imports ----------------------------------------------
+
+
+def test_get_async_strategy_gives_cloudckpts_machinery_for_either_name() -> None:
+    from cloudckpt.errors import UnknownAsyncStrategyError  # noqa: PLC0415
+    from cloudckpt.strategies import async_utils, filesystem_async  # noqa: PLC0415
+    from cloudckpt.strategies.torch import get_async_strategy  # noqa: PLC0415
+
+    for name in ("nvrx", "mcore"):
+        used, modules = get_async_strategy(name)
+        assert used == "mcore"
+        assert modules["AsyncCallsQueue"] is async_utils.AsyncCallsQueue
+        assert modules["get_write_results_queue"] is filesystem_async.get_write_results_queue
+        assert modules["_results_queue"] is None
+        assert len(modules) == 8
+    assert get_async_strategy("nvrx", "AsyncRequest") == ("mcore", async_utils.AsyncRequest)
+    with pytest.raises(UnknownAsyncStrategyError):
+        get_async_strategy("torch")
+    with pytest.raises(KeyError, match="CheckpointMetadataCache"):
+        get_async_strategy("mcore", "CheckpointMetadataCache")
+
+
+def test_nvrx_helpers_report_nvrx_and_build_the_request_class_given() -> None:
+    from cloudckpt.strategies import nvrx  # noqa: PLC0415
+    from cloudckpt.strategies.async_utils import AsyncRequest  # noqa: PLC0415
+
+    assert nvrx.has_nvrx_async_support() is False  # not installed here
+    assert nvrx.is_nvrx_min_version() is False
+    assert nvrx._release("0.6.0rc1") == (0, 6, 0) >= nvrx._release(nvrx.NVRX_MIN_VERSION)
+    calls: list[Any] = []
+    request = nvrx.make_nvrx_async_request(
+        AsyncRequest, lambda *a, **k: calls.append((a, k)), (1, 2), [lambda: calls.append("f")]
+    )
+    assert isinstance(request, AsyncRequest)
+    request.execute_sync()
+    assert calls == [((1, 2), {}), "f"]
+
+
+def test_warmup_sets_the_priorities_the_persistent_worker_thread_takes(tmp_path: Path) -> None:
+    import os  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from cloudckpt.strategies import _async_calls  # noqa: PLC0415
+    from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest  # noqa: PLC0415
+    from cloudckpt.strategies.filesystem_async import get_write_results_queue  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="'thread'"):
+        AsyncCallsQueue.warmup_persistent_caller(0, mp_mode="thread")
+    before = _async_calls._persistent_qos
+    try:
+        queue = AsyncCallsQueue(persistent=True)  # made before the warmup, as 0.19 does
+        AsyncCallsQueue.warmup_persistent_caller(0, mp_mode="forkserver", cpu_priority=19)
+        seen: list[int] = []
+
+        def job() -> None:
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+        queue.schedule_async_request(AsyncRequest(job, (), []))
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        queue.close()
+        assert seen == [19]  # the worker thread's nice value
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # not ours
+    finally:
+        _async_calls.set_persistent_worker_qos(before)
+    assert get_write_results_queue(mp_mode="fork") is get_write_results_queue()

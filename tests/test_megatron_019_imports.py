@@ -29,13 +29,6 @@ PREFIX = "megatron.core.dist_checkpointing"
 # (module, name) that megatron.training 0.19.2 imports and cloudckpt does not provide; each
 # is named in docs/megatron-compat.md ("Megatron-Core 0.19"), with why
 TRAINING_GAPS = {
-    (f"{PREFIX}.gpt_checkpoint_interop", "gpt_compatible_layer_maps"),
-    (f"{PREFIX}.gpt_checkpoint_interop", "retarget_fsdp_state_dict_to_gpt_checkpoint"),
-    (f"{PREFIX}.gpt_checkpoint_interop", "retarget_sharded_state_dict_to_gpt_checkpoint"),
-    (f"{PREFIX}.strategies.async_utils", "_set_process_qos"),
-    (f"{PREFIX}.strategies.nvrx", "has_nvrx_async_support"),
-    (f"{PREFIX}.strategies.nvrx", "make_nvrx_async_request"),
-    (f"{PREFIX}.strategies.torch", "get_async_strategy"),
     (f"{PREFIX}.tensor_aware_state_dict", "MCoreTensorAwareStateDict"),
 }
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import queue
+import subprocess
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -59,6 +61,59 @@ def _disable_gc() -> Iterator[None]:
             gc.enable()
 
 
+def _set_process_qos(cpu_priority: int | None, io_priority: int | None) -> None:
+    """Lower the CPU and I/O priority of the calling thread (Megatron-Core's name).
+
+    On Linux the nice value and the I/O priority belong to a thread, so called in a
+    background save's worker thread this deprioritizes that thread only, and in a
+    single-threaded helper process the whole process, as Megatron-Core's does in its
+    writer processes. Failures are logged, never raised (lowering a priority again
+    needs privileges).
+
+    Args:
+        cpu_priority: the target nice value (0-19, higher is lower priority); only
+            raised, never lowered. None or out of range: unchanged.
+        io_priority: the I/O scheduling class for ``ionice -c`` (1 realtime,
+            2 best-effort, 3 idle). None: unchanged.
+    """
+    tid = threading.get_native_id()
+    if cpu_priority is not None and 0 <= cpu_priority <= 19:
+        try:
+            current = os.getpriority(os.PRIO_PROCESS, tid)
+            if cpu_priority > current:
+                os.setpriority(os.PRIO_PROCESS, tid, cpu_priority)
+                logger.debug("thread %d: nice %d -> %d", tid, current, cpu_priority)
+            else:
+                logger.debug("thread %d: nice %d already >= %d", tid, current, cpu_priority)
+        except OSError as exc:
+            logger.warning("thread %d: could not set the CPU priority: %s", tid, exc)
+    if io_priority is not None:
+        try:
+            subprocess.run(
+                ["ionice", "-c", str(io_priority), "-p", str(tid)], check=True, capture_output=True
+            )
+            logger.debug("thread %d: I/O scheduling class %d", tid, io_priority)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            logger.warning("thread %d: could not set the I/O priority: %s", tid, exc)
+
+
+@dataclass(frozen=True)
+class WorkerQos:
+    """The priorities a persistent worker thread sets for itself when it starts."""
+
+    cpu_priority: int | None = None
+    io_priority: int | None = None
+
+
+_persistent_qos = WorkerQos()
+
+
+def set_persistent_worker_qos(qos: WorkerQos) -> None:
+    """The priorities of every persistent worker thread started from now on."""
+    global _persistent_qos  # noqa: PLW0603 - process-wide, as Megatron-Core's worker
+    _persistent_qos = qos
+
+
 @dataclass
 class _ScheduledCall:
     """One scheduled request: its resolved arguments, outcome and completion flag."""
@@ -103,6 +158,9 @@ class _Worker:
         self._inbox.put(call)
 
     def _loop(self) -> None:
+        qos = _persistent_qos
+        if qos != WorkerQos():
+            _set_process_qos(qos.cpu_priority, qos.io_priority)
         while (call := self._inbox.get()) is not None:
             call.run()
 

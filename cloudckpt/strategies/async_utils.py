@@ -65,10 +65,13 @@ from cloudckpt.strategies._async_calls import (
     AsyncCaller,
     PersistentAsyncCaller,
     TemporalAsyncCaller,
+    WorkerQos,
     _disable_gc,
     _ScheduledCall,
+    _set_process_qos,
     _start,
     _Worker,
+    set_persistent_worker_qos,
 )
 
 logger = logging.getLogger(__name__)
@@ -263,6 +266,32 @@ class AsyncCallsQueue:
         self.persistent = persistent
         self._worker = _Worker() if persistent else None
 
+    @classmethod
+    def warmup_persistent_caller(
+        cls,
+        rank: int,
+        mp_mode: str = "spawn",
+        cpu_priority: int | None = 10,
+        io_priority: int | None = None,
+    ) -> None:
+        """Megatron-Core 0.19's: prepare the persistent worker of every queue.
+
+        Megatron-Core starts its worker process here; cloudckpt's worker is a thread,
+        started at the first request, so there is nothing to start ahead. The
+        priorities are those the persistent worker threads give themselves when they
+        start (see :func:`_set_process_qos`): the uploads then yield the CPU to
+        training. ``rank`` and ``mp_mode`` (the process start method) are checked
+        and otherwise unused: no process is started.
+
+        Raises:
+            ValueError: ``mp_mode`` is not a multiprocessing start method.
+        """
+        if mp_mode not in ("spawn", "fork", "forkserver"):
+            raise ValueError(
+                f"rank {rank}: mp_mode {mp_mode!r} is not a start method (spawn, fork, forkserver)"
+            )
+        set_persistent_worker_qos(WorkerQos(cpu_priority, io_priority))
+
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Freeze ``async_request``, run its ``preload_fn`` and start its async function
         in a background thread (the persistent worker with ``persistent=True``).
@@ -443,5 +472,6 @@ __all__ = [
     "PersistentAsyncCaller",
     "TemporalAsyncCaller",
     "_disable_gc",
+    "_set_process_qos",
     "check_async_strategy",
 ]

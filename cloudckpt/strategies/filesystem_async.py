@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,29 @@ FILESYSTEM_WRITER_OPTIONS = frozenset(
 #: training process and hands their results to the async request, so no such queue ever
 #: exists: None, the value Megatron-Core's training loop tests before shutting one down.
 _results_queue: Any = None
+
+_local_results: queue.SimpleQueue[Any] | None = None
+
+
+def get_write_results_queue(mp_mode: str = "spawn") -> queue.SimpleQueue[Any]:
+    """Megatron-Core's: the queue its writer processes report their results through.
+
+    cloudckpt's writer uploads from threads of the training process and hands its
+    results to the async request directly, so nothing is ever put here: this returns
+    one process-local queue (the same at every call) for the callers that create it
+    ahead, as Megatron-LM's training loop does, and starts no process. ``mp_mode`` is
+    checked, not used.
+
+    Raises:
+        ValueError: ``mp_mode`` is not a multiprocessing start method.
+    """
+    global _local_results  # noqa: PLW0603 - one per process, as Megatron-Core's
+    if mp_mode not in ("spawn", "fork", "forkserver"):
+        raise ValueError(f"mp_mode {mp_mode!r} is not a start method (spawn, fork, forkserver)")
+    if _local_results is None:
+        _local_results = queue.SimpleQueue()
+    return _local_results
+
 
 #: The staged objects of one rank: ``[(object path, bytes)]``.
 WriteBuckets = list[tuple[str, memoryview]]
@@ -210,4 +234,9 @@ class FileSystemWriterAsync(CloudStorageWriter):
         return future
 
 
-__all__ = ["FILESYSTEM_WRITER_OPTIONS", "FileSystemWriterAsync", "WriteBuckets"]
+__all__ = [
+    "FILESYSTEM_WRITER_OPTIONS",
+    "FileSystemWriterAsync",
+    "WriteBuckets",
+    "get_write_results_queue",
+]

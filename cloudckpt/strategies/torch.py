@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from cloudckpt.commit_state import amend_manifest
 from cloudckpt.config import DEFAULT_CHUNK_SIZE, CheckpointConfig
 from cloudckpt.dict_utils import dict_list_map_outplace, nested_values
+from cloudckpt.formats.dcp import metadata_cache
 from cloudckpt.formats.dcp.checkpointable import (  # Megatron-Core's torch.py has them
     CheckpointableShardedTensor,
     LocalShardsContainer,
@@ -65,9 +66,9 @@ from cloudckpt.mapping import (
     ShardedTensor,
     StateDict,
 )
-from cloudckpt.safe_pickle import resolve_weights_only
 from cloudckpt.storage import CheckpointStorage, FileSystem
 from cloudckpt.storage.location import CheckpointDir, checkpoint_uri
+from cloudckpt.strategies import filesystem_async
 from cloudckpt.strategies._torch_async import AsyncDcpSaveMixin
 from cloudckpt.strategies._torch_compat import (
     MCoreLoadPlanner,
@@ -76,7 +77,7 @@ from cloudckpt.strategies._torch_compat import (
     mcore_to_pyt_state_dict,
     sharded_tensor_to_torch_sharded_tensor,
 )
-from cloudckpt.strategies.async_utils import check_async_strategy
+from cloudckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest, check_async_strategy
 from cloudckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     FormatSaveMixin,
@@ -86,7 +87,12 @@ from cloudckpt.strategies.base import (
     StrategyAction,
     register_default_strategy,
 )
+from cloudckpt.strategies.cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
 from cloudckpt.strategies.resharding import get_reformulation_metadata
+from cloudckpt.strategies.state_dict_saver import (
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,16 +182,6 @@ class TorchDistSaveShardedStrategy(  # type: ignore[misc]
         return DcpFormat(self.object_size, self.separation_hint, cache, self.config)
 
 
-def _metadata_cache_key(
-    storage: CheckpointStorage, weights_only: bool | None
-) -> tuple[str, int | None, bool]:
-    """A checkpoint's ``.metadata`` identity: its URI, the manifest's CRC-32C of it (None
-    without a manifest entry, as for Megatron-Core's checkpoints), and whether it is
-    unpickled restricted (metadata trusted once is not reused by a restricted load)."""
-    entry = storage.expected.entries.get(METADATA_FNAME)
-    return storage.uri, None if entry is None else entry.crc32c, resolve_weights_only(weights_only)
-
-
 class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, LoadShardedStrategy):
     """Load ShardedTensors and ShardedObjects from a PyTorch DCP checkpoint, resharding.
 
@@ -199,11 +195,10 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
             checkpoints only); None (default) as the load call or
             ``CLOUDCKPT_TRUST_PICKLES`` says, restricted when neither does.
         cache_metadata: Megatron-Core 0.19's: keep the last checkpoint's DCP
-            ``.metadata`` (also as ``cached_global_metadata``) and reuse it when the same
-            checkpoint is loaded again (same URI and, for cloudckpt's checkpoints, the
-            same manifest CRC-32C of ``.metadata``, so a checkpoint saved again at the
-            URI is read afresh; unpickled as restricted as before), instead of reading
-            it once per load.
+            ``.metadata`` for the process (also as ``cached_global_metadata``) and
+            reuse it when the same checkpoint is loaded again, by this strategy or a
+            new one (see :mod:`cloudckpt.formats.dcp.metadata_cache`), instead of
+            reading it once per load.
         stream_ckpt_dequant: Megatron-Core 0.19's per-tensor dequantization of
             Transformer Engine FP8 / NVFP4 destinations while loading. Recorded, not
             used: cloudckpt loads into the destination tensors' dtype and has no
@@ -231,15 +226,15 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         self.stream_ckpt_dequant = stream_ckpt_dequant
         self.checkpoint_name = checkpoint_name
         self.cached_global_metadata: Metadata | None = None
-        self._metadata_cache: dict[tuple[str, int | None, bool], Metadata] = {}
 
     def _checkpoint(self, storage: CheckpointStorage) -> DcpCheckpoint:
         if not self.cache_metadata:
             return DcpCheckpoint(storage, weights_only=self.weights_only)
-        key = _metadata_cache_key(storage, self.weights_only)
-        cached = self._metadata_cache.get(key)
-        checkpoint = DcpCheckpoint(storage, weights_only=self.weights_only, metadata=cached)
-        self._metadata_cache = {key: checkpoint.metadata}  # the last checkpoint's only
+        key = metadata_cache.cache_key(storage, self.weights_only)
+        checkpoint = DcpCheckpoint(
+            storage, weights_only=self.weights_only, metadata=metadata_cache.cached(key)
+        )
+        metadata_cache.remember(key, checkpoint.metadata)
         self.cached_global_metadata = checkpoint.metadata
         return checkpoint
 
@@ -355,6 +350,38 @@ class TorchDistLoadShardedStrategy(SingleFormatLoadMixin, ShardedLoadMixin, Load
         amend_manifest(checkpoint.storage, rewritten=[written], removed_tensors=sorted(removed))
 
 
+def get_async_strategy(async_strategy: str = "nvrx", module: str | None = None) -> tuple[str, Any]:
+    """Megatron-Core 0.19's: the async machinery for ``async_strategy``, as
+    ``(name, {class or function name: object})``, or ``(name, that_dict[module])``.
+
+    cloudckpt runs its own async save for "nvrx" and "mcore" alike (see
+    :mod:`cloudckpt.strategies.async_utils`), so both give cloudckpt's classes and the
+    name "mcore": Megatron-LM's training loop then takes its Megatron-Core branch
+    (no NVIDIA Resiliency Extension is needed; Megatron-Core raises without it).
+
+    Raises:
+        UnknownAsyncStrategyError: ``async_strategy`` is neither (a ``TypeError``, as
+            Megatron-Core's).
+        KeyError: ``module`` is not one of the names.
+    """
+    check_async_strategy(async_strategy)
+    imports: dict[str, Any] = {
+        "AsyncCallsQueue": AsyncCallsQueue,
+        "AsyncRequest": AsyncRequest,
+        "CachedMetadataFileSystemReader": CachedMetadataFileSystemReader,
+        "FileSystemWriterAsync": filesystem_async.FileSystemWriterAsync,
+        "_results_queue": filesystem_async._results_queue,
+        "get_write_results_queue": filesystem_async.get_write_results_queue,
+        "save_state_dict_async_finalize": save_state_dict_async_finalize,
+        "save_state_dict_async_plan": save_state_dict_async_plan,
+    }
+    if module is None:
+        return "mcore", imports
+    if module not in imports:
+        raise KeyError(f"get_async_strategy: no {module!r}; the names are {sorted(imports)}")
+    return "mcore", imports[module]
+
+
 def register_default_torch_dist_strategies() -> None:
     """Register the torch_dist save and load strategies as defaults for ("torch_dist", 1)."""
     register_default_strategy(
@@ -386,6 +413,7 @@ __all__ = [
     "TorchDistSaveError",
     "dcp_save",
     "flatten_state_dict",
+    "get_async_strategy",
     "get_reformulation_metadata",
     "mcore_to_pyt_state_dict",
     "register_default_torch_dist_strategies",
